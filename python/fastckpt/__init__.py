@@ -1,0 +1,45 @@
+"""fastckpt: fast, pickle-free, crash-safe PyTorch checkpoints with a Rust core.
+
+``save_state`` / ``load_state`` write and read accelerate's checkpoint layout (safetensors + JSON, no pickle) with
+a ``model_only`` switch on both sides; ``fastckpt.torch`` is a drop-in ``safetensors.torch``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+
+from ._layout import latest_checkpoint
+from ._rng import RngRestoreWarning
+from .checkpoint import LoadResult, load_state, save_state
+from .errors import (
+    CheckpointError,
+    DtypeError,
+    HeaderError,
+    IntegrityError,
+    KeyMismatchError,
+    MissingStateError,
+    ShapeMismatchError,
+    TruncatedFileError,
+)
+
+try:
+    __version__ = _metadata.version("fastckpt")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0+unknown"
+
+__all__ = [
+    "save_state",
+    "load_state",
+    "latest_checkpoint",
+    "LoadResult",
+    "RngRestoreWarning",
+    "CheckpointError",
+    "HeaderError",
+    "TruncatedFileError",
+    "MissingStateError",
+    "KeyMismatchError",
+    "IntegrityError",
+    "ShapeMismatchError",
+    "DtypeError",
+    "__version__",
+]

@@ -1,0 +1,137 @@
+"""The checkpoint folder: file names (accelerate's), the manifest, automatic naming and rotation.
+
+A fastckpt checkpoint folder holds, for ``n`` models / optimizers / schedulers (accelerate's suffix rule: the
+first has none, then ``_1``, ``_2``...):
+
+=====================================  ==============================================================
+``model.safetensors``, ``model_1...``  model state dicts (Hugging Face compatible)
+``optimizer.safetensors``, ...         optimizer state keyed by fqn (see :mod:`fastckpt._optimizer`)
+``scheduler.json``, ...                scheduler state dicts (see :mod:`fastckpt._codec`)
+``random_states_{rank}.safetensors``   RNG streams (see :mod:`fastckpt._rng`)
+``config.json``                        the first model's config, when it has one (transformers)
+``fastckpt.json``                      the manifest, written last: a folder without it is unfinished
+=====================================  ==============================================================
+
+Automatic naming follows accelerate's ``ProjectConfiguration``: ``{project_dir}/checkpoints/checkpoint_{n}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import HeaderError, IntegrityError, MissingStateError
+
+__all__ = [
+    "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
+    "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints",
+]
+
+MANIFEST = "fastckpt.json"
+FORMAT_VERSION = 1
+_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+
+
+def part_name(base: str, index: int, suffix: str) -> str:
+    """accelerate's names: ``part_name("model", 0, ".safetensors") == "model.safetensors"``, index 1 -> ``model_1``."""
+    return f"{base}{suffix}" if index == 0 else f"{base}_{index}{suffix}"
+
+
+def random_states_name(rank: int) -> str:
+    """``random_states_{rank}.safetensors``."""
+    return f"random_states_{rank}.safetensors"
+
+
+def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step: int) -> dict[str, Any]:
+    """The manifest content: format version, mode, part counts, and every file's size in bytes."""
+    from . import __version__
+
+    return {
+        "format": "fastckpt",
+        "format_version": FORMAT_VERSION,
+        "fastckpt_version": __version__,
+        "mode": mode,
+        "step": step,
+        **counts,
+        "files": {name: {"bytes": size} for name, size in sorted(files.items())},
+    }
+
+
+def read_manifest(folder: Path, *, check_sizes: bool = True) -> dict[str, Any]:
+    """Read and check ``folder/fastckpt.json``.
+
+    Raises:
+        MissingStateError: no manifest (not a fastckpt checkpoint, or an unfinished save).
+        HeaderError: the manifest is not valid JSON or has a format version this fastckpt cannot read.
+        IntegrityError: a listed file is missing or has another size than recorded (names both sizes).
+    """
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MissingStateError(
+            f"{folder}: no {MANIFEST}; not a fastckpt checkpoint, or a save that did not finish"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HeaderError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "fastckpt":
+        raise HeaderError(f"{path}: not a fastckpt manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise HeaderError(f"{path}: format_version {manifest.get('format_version')!r}, this fastckpt reads {FORMAT_VERSION}")
+    if check_sizes:
+        for name, info in manifest.get("files", {}).items():
+            file = folder / name
+            try:
+                actual = file.stat().st_size
+            except FileNotFoundError:
+                raise IntegrityError(f"{file}: listed in {MANIFEST} ({info['bytes']} bytes) but missing") from None
+            if actual != info["bytes"]:
+                raise IntegrityError(f"{file}: {actual} bytes on disk, {info['bytes']} recorded in {MANIFEST}")
+    return manifest
+
+
+def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:
+    """Committed automatic checkpoints under ``project_dir/checkpoints``: ``{n: folder}`` (with a manifest)."""
+    root = project_dir / "checkpoints"
+    found: dict[int, Path] = {}
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        m = _CHECKPOINT_RE.match(entry.name)
+        if m and entry.is_dir() and (entry / MANIFEST).is_file():
+            found[int(m.group(1))] = entry
+    return found
+
+
+def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The committed checkpoint with the largest number in ``{project_dir}/checkpoints`` (numeric order), or None.
+
+    ``project_dir`` defaults to the current directory. Folders without ``fastckpt.json`` are never chosen.
+    """
+    numbers = checkpoint_numbers(Path(project_dir if project_dir is not None else os.getcwd()))
+    return numbers[max(numbers)] if numbers else None
+
+
+def next_checkpoint_dir(project_dir: Path) -> Path:
+    """``checkpoints/checkpoint_{n}`` with n one above the largest number present (committed or not: a folder
+    left by an unfinished save is never overwritten by automatic naming)."""
+    root = project_dir / "checkpoints"
+    numbers = [int(m.group(1)) for e in (root.iterdir() if root.is_dir() else ())
+               if (m := _CHECKPOINT_RE.match(e.name))]
+    return root / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
+
+
+def rotate_checkpoints(project_dir: Path, total_limit: int) -> list[Path]:
+    """Remove the oldest committed checkpoints (numeric order) so that ``total_limit`` remain; returns removed."""
+    if total_limit < 1:
+        raise ValueError(f"total_limit must be >= 1, got {total_limit}")
+    numbers = checkpoint_numbers(project_dir)
+    removed = []
+    for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
+        shutil.rmtree(numbers[n])
+        removed.append(numbers[n])
+    return removed

@@ -1,0 +1,200 @@
+"""Optimizer state keyed by parameter fqn instead of position: ``optimizer.safetensors``.
+
+torch's ``Optimizer.state_dict()`` keys state by the position of each parameter in ``param_groups``; a checkpoint
+keyed that way silently loads the wrong moments into the wrong parameters when the model or the groups change.
+fastckpt stores
+
+- tensors ``state.{fqn}.{name}`` (``state.encoder.weight.exp_avg``; with several models the fqn carries the
+  ``model_{i}.`` prefix of its model),
+- metadata ``param_groups`` (JSON, with fqns in place of positions), ``state_names`` (``{fqn: [name, ...]}``) and
+  ``extra_state`` (non-tensor state such as SGD's ``momentum_buffer=None``, through :mod:`fastckpt._codec`).
+
+Loading maps fqns back onto the live optimizer's positions and hands torch a positional state dict, so torch's own
+``load_state_dict`` places ``step`` and moments where a fresh optimizer of that kind keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import torch
+
+from ._codec import decode, encode
+from .errors import HeaderError, KeyMismatchError
+
+__all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
+
+FORMAT = "fastckpt.optimizer"
+
+
+def param_fqns(models: Sequence[torch.nn.Module]) -> dict[int, str]:
+    """``{id(parameter): fqn}`` for every parameter of ``models`` (``model_{i}.`` prefixes with several models).
+
+    A tied parameter gets its first name, the one kept in the model file.
+    """
+    fqns: dict[int, str] = {}
+    prefix = len(models) > 1
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            fqns.setdefault(id(p), f"model_{i}.{name}" if prefix else name)
+    return fqns
+
+
+def _flat_fqns(optimizer: torch.optim.Optimizer, fqns: dict[int, str], label: str) -> list[str]:
+    names = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            fqn = fqns.get(id(p))
+            if fqn is None:
+                raise KeyMismatchError(
+                    f"{label}: param_groups[{gi}] holds a parameter of shape {list(p.shape)} and dtype {p.dtype} "
+                    f"(position {len(names)}) that belongs to none of the models passed; pass its model too"
+                )
+            names.append(fqn)
+    return names
+
+
+def optimizer_payload(
+    optimizer: torch.optim.Optimizer, fqns: dict[int, str], *, label: str = "optimizer"
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of one optimizer's file.
+
+    Returns:
+        ``({tensor_name: tensor}, {metadata_key: str})``; the tensors are the optimizer's own (no copies).
+
+    Raises:
+        KeyMismatchError: a parameter belongs to no passed model (names its group, position and shape).
+        TypeError: a state value that cannot be stored without pickle (names its path).
+    """
+    flat = _flat_fqns(optimizer, fqns, label)
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+
+    def sink(path: str, t: torch.Tensor) -> str:
+        key = f"extra.{len(tensors)}"
+        tensors[key] = t
+        return key
+
+    state_names: dict[str, list[str]] = {}
+    extra: dict[str, Any] = {}
+    for index, state in sd["state"].items():
+        fqn = flat[index]
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{fqn}.{name}"] = value
+                state_names.setdefault(fqn, []).append(name)
+            else:
+                extra.setdefault(fqn, {})[name] = encode(value, path=f"{label}.state[{fqn!r}][{name!r}]",
+                                                         tensor_sink=sink)
+    groups = []
+    for gi, group in enumerate(sd["param_groups"]):
+        entry = {k: v for k, v in group.items() if k != "params"}
+        encoded = encode(entry, path=f"{label}.param_groups[{gi}]", tensor_sink=sink)
+        encoded["params"] = [flat[i] for i in group["params"]]
+        groups.append(encoded)
+    metadata = {
+        "format": FORMAT,
+        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "param_groups": json.dumps(groups),
+        "state_names": json.dumps(state_names),
+        "extra_state": json.dumps(extra),
+    }
+    return tensors, metadata
+
+
+def _load_json(metadata: dict[str, str], key: str, path: str) -> Any:
+    try:
+        return json.loads(metadata[key])
+    except KeyError:
+        raise HeaderError(f"{path}: metadata has no {key!r}; not a fastckpt optimizer file") from None
+    except json.JSONDecodeError as exc:
+        raise HeaderError(f"{path}: metadata {key!r} is not valid JSON: {exc}") from None
+
+
+def read_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    file: Any,
+    fqns: dict[int, str],
+    *,
+    strict: bool = True,
+    map_location: Any = None,
+    label: str = "optimizer",
+) -> dict[str, Any]:
+    """Read an optimizer file into a positional state dict for ``optimizer.load_state_dict``; changes nothing.
+
+    Tensors are read (parallel positional reads) into fresh CPU tensors, so nothing aliases the file.
+
+    Args:
+        file: an opened ``fastckpt._core.SafetensorsFile``.
+        map_location: device for state tensors other than ``step`` (None: let torch move them to the params).
+
+    Raises:
+        KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it); or a live
+            parameter belongs to no passed model.
+        HeaderError: the file is not a fastckpt optimizer file (missing metadata, names the key).
+    """
+    path = file.path
+    metadata = file.metadata() or {}
+    saved_groups = _load_json(metadata, "param_groups", path)
+    state_names = _load_json(metadata, "state_names", path)
+    extra = _load_json(metadata, "extra_state", path)
+    entries = {e[0]: e for e in file.tensors()}
+
+    fresh: dict[str, torch.Tensor] = {}
+    targets = []
+    from ._dtypes import to_torch_dtype, torch_shape
+    from ._tensors import destination_buffer
+
+    for name, dtype_name, shape, begin, end in entries.values():
+        t = torch.empty(torch_shape(dtype_name, shape, name=name, path=path),
+                        dtype=to_torch_dtype(dtype_name, name=name, path=path), device="cpu")
+        fresh[name] = t
+        buf = destination_buffer(t)
+        if buf is not None:
+            targets.append((name, buf))
+    file.read_into(targets)
+
+    def resolve(key: str) -> torch.Tensor:
+        try:
+            return fresh[key]
+        except KeyError:
+            raise HeaderError(f"{path}: metadata refers to tensor {key!r}, which the file does not hold") from None
+
+    live = _flat_fqns(optimizer, fqns, label)
+    saved_group_of = {fqn: gi for gi, g in enumerate(saved_groups) for fqn in g["params"]}
+    uncovered = [fqn for fqn in live if fqn not in saved_group_of]
+    if strict and uncovered:
+        raise KeyMismatchError(
+            f"{path}: the saved param_groups do not cover {len(uncovered)} parameter(s) of the live {label}: "
+            f"{uncovered}; load with strict=False to start them fresh"
+        )
+    index_of = {fqn: i for i, fqn in enumerate(live)}
+    groups = []
+    position = 0
+    for live_group in optimizer.param_groups:
+        n = len(live_group["params"])
+        members = live[position: position + n]
+        source = next((saved_group_of[f] for f in members if f in saved_group_of), None)
+        if source is None:
+            hyper = {k: v for k, v in live_group.items() if k != "params"}
+        else:
+            hyper = decode({k: v for k, v in saved_groups[source].items() if k != "params"}, tensors=resolve)
+        groups.append({**hyper, "params": list(range(position, position + n))})
+        position += n
+
+    state: dict[int, dict[str, Any]] = {}
+    for fqn in live:
+        if fqn not in saved_group_of:
+            continue
+        values: dict[str, Any] = {}
+        for name in state_names.get(fqn, []):
+            t = resolve(f"state.{fqn}.{name}")
+            if map_location is not None and name != "step":
+                t = t.to(map_location)
+            values[name] = t
+        for name, encoded in extra.get(fqn, {}).items():
+            values[name] = decode(encoded, tensors=resolve)
+        if values:
+            state[index_of[fqn]] = values
+    return {"state": state, "param_groups": groups}

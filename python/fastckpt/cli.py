@@ -1,0 +1,57 @@
+"""The ``fastckpt`` command line: ``fastckpt COMMAND [flags]`` (also ``python -m fastckpt COMMAND``).
+
+Each subcommand lives in its own module, listed in :data:`SUBCOMMANDS`, which provides:
+
+- ``HELP``: one line for ``fastckpt --help``;
+- ``add_arguments(parser)``: adds the subcommand's flags to its ``argparse`` parser;
+- ``run(args) -> int``: does the work and returns the exit status.
+
+Adding ``convert``, ``verify`` or ``inspect`` is one module plus one line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+from collections.abc import Sequence
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+#: subcommand name -> module implementing it
+SUBCOMMANDS: dict[str, str] = {
+    "demo": "fastckpt.demo",
+}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("fastckpt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per entry of :data:`SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="fastckpt", description="Fast, pickle-free PyTorch checkpoints with a Rust core."
+    )
+    parser.add_argument("--version", action="version", version=f"fastckpt {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the chosen subcommand, return its exit status.
+
+    Example:
+        >>> main(["demo", "--size", "tiny", "--steps", "2"])  # doctest: +SKIP
+        0
+    """
+    args = build_parser().parse_args(argv)
+    return args.run(args)

@@ -1,0 +1,410 @@
+"""``fastckpt demo``: train GPT-2 for a few steps, checkpoint it three ways, reload, verify, time, compare.
+
+The three checkpoints of one training state:
+
+1. ``fastckpt.save_state(..., model_only=False)``: model, optimizer, scheduler and RNG states;
+2. ``fastckpt.save_state(..., model_only=True)``: the model weights (and config.json) only;
+3. accelerate's ``Accelerator.save_state`` (on CPU, model/optimizer/scheduler prepared), the baseline.
+
+Durable against durable: fastckpt saves with ``durable=True`` (every file and folder fsynced); accelerate's time
+includes an fsync of every file it wrote and of its folder. Before each load the checkpoint's pages are dropped
+from the page cache (``posix_fadvise(DONTNEED)``; the files are clean after the fsync), so loads read from disk.
+
+Each checkpoint is loaded into objects built from scratch (a model initialised with another seed, a new AdamW, a
+new scheduler) and compared bit for bit with the trained ones: every weight (``torch.equal``) and the tie between
+``lm_head.weight`` and ``transformer.wte.weight``; for full checkpoints also the optimizer state tensors and
+param_groups, the scheduler state_dict, and the next draws of Python ``random``, numpy and torch, which must equal
+the draws taken right after the save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import dataclasses
+import inspect
+import logging
+import math
+import os
+import pathlib
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from fastckpt._gpt2 import GPT, PRESETS, num_parameters
+
+__all__ = ["DemoResult", "DemoRow", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree", "run_demo"]
+
+HELP = "train GPT-2 a few steps, checkpoint with fastckpt and accelerate, reload, verify, compare speed"
+
+# stdlib modules whose source is the training text; any CPython install that ships .py sources has them.
+_CORPUS_MODULES = ("argparse", "dataclasses", "textwrap", "string", "json.decoder", "fractions")
+_WARMUP_STEPS = 2
+_SCHEDULE_STEPS = 100  # cosine decay length after the warm-up
+
+
+@dataclasses.dataclass
+class DemoRow:
+    """One checkpoint of the demo: how big it is, how long it took, whether it reloaded bit-exactly.
+
+    Attributes:
+        name: the row label (``fastckpt full``, ``fastckpt model_only``, ``accelerate``).
+        path: the checkpoint folder.
+        bytes_written: total size of the files in ``path``, in bytes.
+        save_s: seconds to save, including fsync (durable).
+        load_s: seconds to load into fresh objects, from a cold page cache.
+        problems: every mismatch found by the verification; empty when verified.
+    """
+
+    name: str
+    path: pathlib.Path
+    bytes_written: int
+    save_s: float
+    load_s: float
+    problems: list[str]
+
+    @property
+    def verified(self) -> bool:
+        """True when the reloaded state equals the saved one bit for bit."""
+        return not self.problems
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What :func:`run_demo` measured. ``ok`` is False when any row failed verification."""
+
+    rows: list[DemoRow]
+    parameters: int
+    losses: list[float]
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return all(row.verified for row in self.rows)
+
+
+def corpus_text() -> str:
+    """Real English and Python text available offline: the source of a few stdlib modules.
+
+    Falls back to the docstrings of the builtins (present even under ``python -OO``) where sources are missing.
+    """
+    parts = []
+    for name in _CORPUS_MODULES:
+        with contextlib.suppress(ImportError, OSError, TypeError):
+            parts.append(inspect.getsource(__import__(name, fromlist=["_"])))
+    if not parts:
+        parts = [obj.__doc__ for obj in vars(builtins).values() if isinstance(getattr(obj, "__doc__", None), str)]
+    return "\n".join(parts)
+
+
+def build_training(config_name: str, seed: int) -> tuple[GPT, torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
+    """A GPT-2 model initialised from ``seed``, AdamW (weight decay on matrices only, two param_groups) and a
+    linear warm-up followed by cosine decay (``SequentialLR``: its state is plain data, no lambda)."""
+    torch.manual_seed(seed)
+    model = GPT(PRESETS[config_name])
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=6e-4,
+        betas=(0.9, 0.95),
+    )
+    sched = torch.optim.lr_scheduler
+    scheduler = sched.SequentialLR(
+        optimizer,
+        [
+            sched.LinearLR(optimizer, start_factor=0.1, end_factor=1.0, total_iters=_WARMUP_STEPS),
+            sched.CosineAnnealingLR(optimizer, T_max=_SCHEDULE_STEPS, eta_min=6e-5),
+        ],
+        milestones=[_WARMUP_STEPS],
+    )
+    return model, optimizer, scheduler
+
+
+def train(model: GPT, optimizer, scheduler, steps: int, batch_size: int, seq_len: int, seed: int) -> list[float]:
+    """``steps`` AdamW steps on random windows of :func:`corpus_text` as byte tokens; returns the losses."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # dropout draws from the global torch generator
+    tokens = torch.frombuffer(bytearray(corpus_text().encode("utf-8")), dtype=torch.uint8).long()
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch_size,), generator=generator)
+        window = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+        _, loss = model(window[:, :-1], targets=window[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def draw_random() -> list[Any]:
+    """The next draws of Python ``random``, numpy's global generator and torch's CPU generator."""
+    return [[random.random() for _ in range(4)], np.random.random(4).tolist(), torch.rand(4).tolist()]
+
+
+def diff(expected: Any, actual: Any, where: str) -> list[str]:
+    """Every difference between two nested states (dicts, lists, tuples, tensors, numbers), type-strict:
+    a tuple that came back as a list, or an int as a float, is a difference."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return [f"{where}: expected a tensor, got {type(actual).__name__}"]
+        if expected.dtype != actual.dtype or expected.shape != actual.shape:
+            return [f"{where}: {expected.dtype}{list(expected.shape)} != {actual.dtype}{list(actual.shape)}"]
+        return [] if torch.equal(expected, actual) else [f"{where}: tensor values differ"]
+    if type(expected) is not type(actual):
+        return [f"{where}: {type(expected).__name__} {expected!r:.60} != {type(actual).__name__} {actual!r:.60}"]
+    if isinstance(expected, dict):
+        if set(expected) != set(actual):
+            return [f"{where}: keys {sorted(map(str, set(expected) ^ set(actual)))[:5]} not in both"]
+        return [p for key in expected for p in diff(expected[key], actual[key], f"{where}.{key}")]
+    if isinstance(expected, (list, tuple)):
+        if len(expected) != len(actual):
+            return [f"{where}: length {len(expected)} != {len(actual)}"]
+        return [p for i, (e, a) in enumerate(zip(expected, actual)) for p in diff(e, a, f"{where}[{i}]")]
+    if isinstance(expected, float) and math.isnan(expected) and math.isnan(actual):
+        return []
+    return [] if expected == actual else [f"{where}: {expected!r:.60} != {actual!r:.60}"]
+
+
+def _tie_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of the state_dict entries that share storage, grouped (``[["lm_head.weight", "transformer.wte..."]]``)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
+
+
+def verify(model, fresh_model, *, full: bool, optimizer=None, fresh_optimizer=None, scheduler=None,
+           fresh_scheduler=None, draws_after_save=None) -> list[str]:
+    """Compare the reloaded objects with the saved ones; returns every mismatch (empty: bit-exact)."""
+    problems = diff(model.state_dict(), fresh_model.state_dict(), "model")
+    if _tie_groups(model) != _tie_groups(fresh_model):
+        problems.append(f"model: tied weights {_tie_groups(model)} != {_tie_groups(fresh_model)} after load")
+    if full:
+        problems += diff(optimizer.state_dict(), fresh_optimizer.state_dict(), "optimizer")
+        problems += diff(scheduler.state_dict(), fresh_scheduler.state_dict(), "scheduler")
+        problems += diff(draws_after_save, draw_random(), "random draws")
+    return problems
+
+
+def _files(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    return (p for p in sorted(path.rglob("*")) if p.is_file())
+
+
+def fsync_tree(path: pathlib.Path) -> None:
+    """fsync every file under ``path`` and every folder (what a durable save guarantees)."""
+    for p in [*_files(path), *(d for d in sorted(path.rglob("*")) if d.is_dir()), path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_page_cache(path: pathlib.Path) -> None:
+    """Ask the kernel to forget the (clean, fsynced) pages of every file under ``path``, so a load reads the disk."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for p in _files(path):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _save_accelerate(model, optimizer, scheduler, path: pathlib.Path) -> float:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(model, optimizer, scheduler)
+    with _quiet("accelerate"):
+        return _timed(lambda: (accelerator.save_state(str(path)), fsync_tree(path)))
+
+
+def _load_accelerate(model, optimizer, scheduler, path: pathlib.Path) -> float:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(model, optimizer, scheduler)
+    with _quiet("accelerate"):
+        return _timed(lambda: accelerator.load_state(str(path)))
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Silence a library's log records below ERROR (accelerate logs each tied weight it drops)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def dir_bytes(path: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in _files(path))
+
+
+def run_demo(size: str = "small", steps: int = 3, out_dir: str | os.PathLike | None = None, *, threads: int = 0,
+             batch_size: int = 2, seq_len: int = 64, seed: int = 1234, cold_cache: bool = True,
+             stream: TextIO | None = None) -> DemoResult:
+    """Train GPT-2 ``size`` for ``steps`` steps, checkpoint it with fastckpt (full, model_only) and accelerate,
+    reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table.
+
+    Args:
+        size: a :data:`fastckpt._gpt2.PRESETS` name: ``"small"`` (GPT-2 small, 124M parameters; the full
+            state is about 1.5 GB) or ``"tiny"`` (120,576 parameters, for tests).
+        steps: training steps before the checkpoint (the warm-up is 2 steps, so 3 reaches the cosine phase).
+        out_dir: folder for the checkpoints (kept); None: a temporary folder, removed afterwards.
+        threads: fastckpt I/O threads (0: fastckpt's default).
+        batch_size, seq_len: sequences per step and tokens per sequence (seq_len <= the preset's block_size).
+        seed: seed of the model, the data order and the RNGs; the fresh objects use ``seed + 1``.
+        cold_cache: drop the checkpoint's pages from the page cache before each load (Linux).
+        stream: where the progress and the table go (default ``sys.stdout``).
+
+    Returns:
+        A :class:`DemoResult`; ``result.ok`` is False when any checkpoint failed verification.
+
+    Raises:
+        KeyError: unknown ``size``.
+        FileExistsError: ``out_dir`` already holds one of the demo's checkpoint folders.
+
+    Example:
+        >>> result = run_demo("tiny", steps=2)  # doctest: +SKIP
+        >>> result.ok
+        True
+    """
+    import fastckpt
+
+    out = stream or sys.stdout
+    started = time.perf_counter()
+    model, optimizer, scheduler = build_training(size, seed)
+    params = num_parameters(model)
+    print(f"GPT-2 {size}: {params:,} parameters; training {steps} steps of {batch_size} x {seq_len} byte tokens",
+          file=out)
+    losses = train(model, optimizer, scheduler, steps, batch_size, seq_len, seed)
+    print("losses: " + ", ".join(f"{loss:.3f}" for loss in losses), file=out)
+
+    root = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="fastckpt-demo-"))
+    names = {"fastckpt full": "fastckpt_full", "fastckpt model_only": "fastckpt_model_only", "accelerate": "accelerate"}
+    for folder in names.values():
+        if (root / folder).exists():
+            raise FileExistsError(f"{root / folder} already exists; pick an empty --keep folder")
+    rows = []
+    try:
+        for name, folder in names.items():
+            if name == "accelerate" and not _accelerate_installed():
+                print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
+                continue
+            path = root / folder
+            model_only = name == "fastckpt model_only"
+            if name == "accelerate":
+                save_s = _save_accelerate(model, optimizer, scheduler, path)
+            else:
+                save_s = _timed(lambda: fastckpt.save_state(
+                    model, optimizer, scheduler, output_dir=path, model_only=model_only, step=steps,
+                    durable=True, threads=threads))
+            draws = draw_random()
+            fresh_model, fresh_optimizer, fresh_scheduler = build_training(size, seed + 1)
+            if cold_cache:
+                drop_page_cache(path)
+            if name == "accelerate":
+                load_s = _load_accelerate(fresh_model, fresh_optimizer, fresh_scheduler, path)
+            elif model_only:
+                load_s = _timed(lambda: fastckpt.load_state(fresh_model, input_dir=path, model_only=True))
+            else:
+                load_s = _timed(lambda: fastckpt.load_state(fresh_model, fresh_optimizer, fresh_scheduler,
+                                                            input_dir=path))
+            problems = verify(model, fresh_model, full=not model_only, optimizer=optimizer,
+                              fresh_optimizer=fresh_optimizer, scheduler=scheduler,
+                              fresh_scheduler=fresh_scheduler, draws_after_save=draws)
+            rows.append(DemoRow(name, path, dir_bytes(path), save_s, load_s, problems))
+            del fresh_model, fresh_optimizer, fresh_scheduler
+    finally:
+        if out_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    result = DemoResult(rows, params, losses, time.perf_counter() - started)
+    print(format_table(rows), file=out)
+    print("save: durable (fastckpt durable=True; accelerate save_state + fsync of every file it wrote)"
+          + ("; load: from a cold page cache" if cold_cache else "; load: from the page cache"), file=out)
+    for row in rows:
+        for problem in row.problems[:10]:
+            print(f"MISMATCH {row.name}: {problem}", file=out)
+    where = f"kept in {root}" if out_dir is not None else "removed"
+    print(f"checkpoints {where}; wall time {result.wall_s:.1f} s", file=out)
+    return result
+
+
+def _accelerate_installed() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def format_table(rows: list[DemoRow]) -> str:
+    """The demo's table as aligned plain text: size (MB = 1e6 bytes), seconds, GB/s (1e9 bytes/s), speedup."""
+    baseline = next((row.save_s for row in rows if row.name == "accelerate"), None)
+    header = ["checkpoint", "MB written", "save s", "load s", "save GB/s", "load GB/s", "save vs accelerate",
+              "verified"]
+    lines = [header]
+    for row in rows:
+        lines.append([
+            row.name,
+            f"{row.bytes_written / 1e6:,.1f}",
+            f"{row.save_s:.3f}",
+            f"{row.load_s:.3f}",
+            f"{row.bytes_written / 1e9 / row.save_s:.2f}" if row.save_s else "-",
+            f"{row.bytes_written / 1e9 / row.load_s:.2f}" if row.load_s else "-",
+            f"{baseline / row.save_s:.2f}x" if baseline and row.save_s else "n/a",
+            "yes" if row.verified else "no",
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in lines
+    ]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``fastckpt demo`` flags (see :mod:`fastckpt.cli`)."""
+    parser.add_argument("--size", choices=sorted(PRESETS), default="small",
+                        help="GPT-2 preset: small = 124M parameters (default), tiny = 120,576 (seconds)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps before the checkpoint (default 3)")
+    parser.add_argument("--keep", metavar="DIR", help="write the checkpoints to DIR and keep them (default: a "
+                        "temporary folder, removed)")
+    parser.add_argument("--threads", type=int, default=0, help="fastckpt I/O threads (default 0: automatic)")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="load from the page cache instead of dropping the checkpoint's pages first")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo from parsed flags; exit status 0 when every checkpoint verified, 1 otherwise."""
+    result = run_demo(args.size, args.steps, args.keep, threads=args.threads, cold_cache=not args.warm_cache)
+    return 0 if result.ok else 1

@@ -1,0 +1,59 @@
+"""fastckpt's exception hierarchy.
+
+Every error fastckpt raises on purpose derives from :class:`CheckpointError` *and* from the builtin a caller
+would already catch for that kind of failure (the convention of orjson and polars): a malformed file is a
+``ValueError``, a missing part of a checkpoint is a ``FileNotFoundError``, a missing or unexpected tensor name is
+a ``KeyError``, a dtype that cannot be stored or loaded is a ``TypeError``. Plain I/O failures (disk full,
+permission denied) stay the builtin ``OSError`` subclasses.
+
+The Rust core (``fastckpt._core``) raises these same classes: its one error enum is mapped onto them in the
+bindings, so a caller never sees a Rust-only exception type.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "HeaderError",
+    "TruncatedFileError",
+    "MissingStateError",
+    "KeyMismatchError",
+    "IntegrityError",
+    "ShapeMismatchError",
+    "DtypeError",
+]
+
+
+class CheckpointError(Exception):
+    """Root of every error fastckpt raises on purpose."""
+
+
+class HeaderError(CheckpointError, ValueError):
+    """A safetensors header (or a checkpoint's JSON) is malformed: bad length, JSON, dtype, shape or offsets."""
+
+
+class TruncatedFileError(HeaderError):
+    """A file is shorter than its header says (expected and actual sizes in bytes are in the message)."""
+
+
+class MissingStateError(CheckpointError, FileNotFoundError):
+    """A checkpoint lacks a part the caller asked for (e.g. a full load of a model-only checkpoint)."""
+
+
+class KeyMismatchError(CheckpointError, KeyError):
+    """Missing or unexpected tensor names (fqns) in a strict load, or an unknown tensor name."""
+
+    def __str__(self) -> str:  # KeyError's str() is the repr of its argument; show the message as written
+        return str(self.args[0]) if self.args else ""
+
+
+class IntegrityError(CheckpointError, ValueError):
+    """Stored bytes do not match the checksums or sizes recorded when the checkpoint was written."""
+
+
+class DtypeError(CheckpointError, TypeError):
+    """A dtype that cannot be stored, or a stored dtype that does not match its destination."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A stored tensor's shape differs from the shape of the live tensor it is loaded into."""

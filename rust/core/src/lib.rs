@@ -1,0 +1,33 @@
+//! fastckpt-core: the safetensors format (header build, parse and validation), a parallel zero-copy writer
+//! and a private-mmap reader. Pure Rust; the PyO3 bindings live in the `fastckpt-python` crate.
+//!
+//! - [`header`]: header bytes identical to safetensors 0.8, and full validation of read headers.
+//! - [`source`]: tensor sources (contiguous or strided) with bounds checks, gathered in logical order.
+//! - [`layout`]: a file planned before writing (order, offsets, chunks), and in-memory [`serialize`].
+//! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
+//! - [`reader`]: open, validate, map privately, parallel `read_into`.
+//! - [`commit`]: put a staging folder in place atomically.
+#![deny(missing_docs)]
+
+pub mod commit;
+pub mod dtype;
+pub mod error;
+pub mod header;
+pub mod layout;
+pub mod pool;
+pub mod reader;
+pub mod source;
+mod sys;
+pub mod writer;
+
+/// Default bytes per positional write or read: 8 MiB.
+pub const DEFAULT_CHUNK_BYTES: u64 = 8 << 20;
+
+pub use commit::commit_dir;
+pub use dtype::Dtype;
+pub use error::{Error, Result};
+pub use header::{parse_file, Header, TensorInfo};
+pub use layout::{serialize, FileLayout};
+pub use reader::SafetensorsFile;
+pub use source::TensorSource;
+pub use writer::{write_file, write_files, FileJob, WriteOptions, WriteStats};

@@ -1,0 +1,193 @@
+//! Reading safetensors files: open, validate the whole header, map the file privately and writably
+//! (copy-on-write, so views of it are writable without touching the file), and `read_into` caller buffers
+//! with parallel positional reads.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+
+use memmap2::{MmapMut, MmapOptions};
+
+use crate::error::{Error, IoContext, Result};
+use crate::header::{self, Header, TensorInfo};
+use crate::pool;
+
+/// An opened, validated safetensors file with a private writable mapping of the whole file.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: Mutex<Option<Arc<File>>>,
+    map: MmapMut,
+    map_ptr: MapPtr,
+    file_size: u64,
+    header: Header,
+    index: HashMap<String, usize>,
+}
+
+/// The mapping's first byte, taken once from `MmapMut::as_mut_ptr` so that writes through it (by Python
+/// views) never go through a shared reference.
+#[derive(Debug)]
+struct MapPtr(NonNull<u8>);
+
+// SAFETY: the pointer is into a private mapping owned by the same `SafetensorsFile`; the core itself never
+// reads or writes through it, it only hands it out, so moving or sharing it between threads adds no race.
+unsafe impl Send for MapPtr {}
+// SAFETY: as above; `&MapPtr` only gives out the address.
+unsafe impl Sync for MapPtr {}
+
+impl SafetensorsFile {
+    /// Open `path`, validate its header fully (see CORE_API.md) and map it.
+    pub fn open(path: &Path) -> Result<Self> {
+        let label = path.display().to_string();
+        let file = File::open(path).at(path, "opening")?;
+        let file_size = file.metadata().at(path, "reading the size of")?.len();
+        let mut prefix = [0u8; 8];
+        let got = (file_size as usize).min(8);
+        file.read_exact_at(&mut prefix[..got], 0)
+            .at(path, "reading the header length of")?;
+        let n = header::header_len(&prefix[..got], file_size, &label)?;
+        let mut json = vec![0u8; n as usize];
+        file.read_exact_at(&mut json, 8).at(path, "reading the header of")?;
+        let header = header::parse(&json, file_size, &label)?;
+        // SAFETY: a private (copy-on-write) mapping: writes through it never reach the file. The file can
+        // still be changed by others under the mapping (as with any mmap); fastckpt writes files through a
+        // temp file + rename, so its own files are never modified in place.
+        let mut map = unsafe { MmapOptions::new().map_copy(&file) }.at(path, "mapping")?;
+        let map_ptr = MapPtr(NonNull::new(map.as_mut_ptr()).expect("a mapping is never null"));
+        let index = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            file: Mutex::new(Some(Arc::new(file))),
+            map,
+            map_ptr,
+            file_size,
+            header,
+            index,
+        })
+    }
+
+    /// The path it was opened with.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Its size in bytes.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// 8 + the header length: where the data section starts.
+    pub fn data_start(&self) -> u64 {
+        self.header.data_start
+    }
+
+    /// The validated header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// `__metadata__` in file order, `None` when absent.
+    pub fn metadata(&self) -> Option<&[(String, String)]> {
+        self.header.metadata.as_deref()
+    }
+
+    /// The tensors in file (offset) order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.header.tensors
+    }
+
+    /// A tensor by name, or [`Error::KeyMismatch`].
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
+        self.index
+            .get(name)
+            .map(|&i| &self.header.tensors[i])
+            .ok_or_else(|| {
+                Error::KeyMismatch(format!(
+                    "{}: no tensor named {name:?} (the file has {} tensors)",
+                    self.path.display(),
+                    self.header.tensors.len()
+                ))
+            })
+    }
+
+    /// The whole private mapping: its first byte and its length. The memory stays valid, readable and
+    /// writable as long as `self` lives.
+    pub fn mapping(&self) -> (NonNull<u8>, usize) {
+        (self.map_ptr.0, self.map.len())
+    }
+
+    /// Drop the file handle (the mapping stays). `read_into` fails afterwards.
+    pub fn close(&self) {
+        self.file.lock().expect("file lock").take();
+    }
+
+    /// Whether [`close`](Self::close) was called.
+    pub fn is_closed(&self) -> bool {
+        self.file.lock().expect("file lock").is_none()
+    }
+
+    /// Fill each target with its tensor's bytes, read from the file (not the map) in `chunk_bytes` pieces by
+    /// `threads` workers. Unknown names are [`Error::KeyMismatch`]; a target of the wrong length is
+    /// [`Error::InvalidArgument`]. Targets must not overlap each other.
+    pub fn read_into(
+        &self,
+        targets: Vec<(String, &mut [u8])>,
+        threads: usize,
+        chunk_bytes: u64,
+    ) -> Result<()> {
+        if chunk_bytes == 0 {
+            return Err(Error::InvalidArgument("chunk_bytes must be at least 1".into()));
+        }
+        let file = self.file.lock().expect("file lock").clone().ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: read_into on a closed file", self.path.display()))
+        })?;
+        let mut jobs: Vec<Mutex<Option<(u64, &mut [u8], usize)>>> = Vec::new();
+        let mut names = Vec::with_capacity(targets.len());
+        for (name, buf) in targets {
+            let info = self.tensor(&name)?;
+            let want = info.end - info.begin;
+            if buf.len() as u64 != want {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: tensor {name:?} is {want} bytes ({} {:?}) but its target buffer is {} bytes",
+                    self.path.display(),
+                    info.dtype,
+                    info.shape,
+                    buf.len()
+                )));
+            }
+            let start = self.header.data_start + info.begin;
+            for (k, piece) in buf.chunks_mut(chunk_bytes as usize).enumerate() {
+                jobs.push(Mutex::new(Some((start + k as u64 * chunk_bytes, piece, names.len()))));
+            }
+            names.push(name);
+        }
+        pool::run::<(), _>(threads, jobs.len(), None, |_, j| {
+            let (offset, piece, t) = jobs[j].lock().expect("job lock").take().expect("each job once");
+            file.read_exact_at(piece, offset).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    Error::Truncated {
+                        path: self.path.display().to_string(),
+                        what: format!("tensor {:?}", names[t]),
+                        expected: offset + piece.len() as u64,
+                        actual: file.metadata().map_or(0, |m| m.len()),
+                    }
+                } else {
+                    Error::io(&self.path, format!("reading tensor {:?}", names[t]), e)
+                }
+            })
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "reader_tests.rs"]
+mod tests;

@@ -1,0 +1,260 @@
+//! Writing safetensors files: temp file beside the target, preallocated, tensor bytes written by a pool of
+//! threads with positional (vectored) writes straight from the callers' buffers, strided tensors gathered into
+//! one chunk buffer per thread; then fsync, rename over the target and fsync the folder.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+#[cfg(test)]
+use std::sync::{Arc, Barrier};
+
+use crate::error::{Error, IoContext, Result};
+use crate::layout::FileLayout;
+use crate::pool;
+use crate::source::TensorSource;
+use crate::sys;
+
+/// How to write.
+#[derive(Debug, Clone)]
+pub struct WriteOptions {
+    /// fsync each file, rename it over its target, fsync the folder. `false`: no fsync at all.
+    pub durable: bool,
+    /// Worker threads; 0 means min(8, cores).
+    pub threads: usize,
+    /// Bytes per positional write (and per gather buffer).
+    pub chunk_bytes: u64,
+    /// Tests: every worker waits here after taking its first chunk (size it to the worker count).
+    #[cfg(test)]
+    pub(crate) start_barrier: Option<Arc<Barrier>>,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions {
+            durable: true,
+            threads: 0,
+            chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
+            #[cfg(test)]
+            start_barrier: None,
+        }
+    }
+}
+
+/// One file to write.
+#[derive(Debug, Clone)]
+pub struct FileJob<'a> {
+    /// The target path.
+    pub path: PathBuf,
+    /// Its tensors, in any order.
+    pub tensors: Vec<TensorSource<'a>>,
+    /// `__metadata__` (order kept); `None` writes no metadata key.
+    pub metadata: Option<Vec<(String, String)>>,
+}
+
+/// What a write did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    /// Each file's size in bytes, in job order.
+    pub file_sizes: Vec<u64>,
+    /// Chunks written (all files).
+    pub chunks: usize,
+    /// Distinct threads that wrote at least one chunk.
+    pub threads_used: usize,
+    /// Gather buffers allocated (at most one per thread).
+    pub chunk_buffers: usize,
+    /// Bytes of gather buffers allocated in all.
+    pub chunk_buffer_bytes: u64,
+}
+
+/// Write one file; see [`write_files`].
+pub fn write_file(
+    path: &Path,
+    tensors: Vec<TensorSource<'_>>,
+    metadata: Option<Vec<(String, String)>>,
+    opts: &WriteOptions,
+) -> Result<WriteStats> {
+    let job = FileJob {
+        path: path.to_path_buf(),
+        tensors,
+        metadata,
+    };
+    write_files(std::slice::from_ref(&job), opts)
+}
+
+/// Write several files in one parallel pass: all chunks of all files share one pool of workers. If anything
+/// fails, every temp file is removed and no target is touched (renames happen only after all data is written).
+pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteStats> {
+    if opts.chunk_bytes == 0 {
+        return Err(Error::InvalidArgument("chunk_bytes must be at least 1".into()));
+    }
+    let chunk = opts.chunk_bytes;
+    let layouts = jobs
+        .iter()
+        .map(|j| FileLayout::plan(&j.tensors, j.metadata.as_deref(), &j.path.display().to_string()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut temps = Vec::with_capacity(jobs.len());
+    for (job, layout) in jobs.iter().zip(&layouts) {
+        let temp = TempFile::create(&job.path)?;
+        sys::preallocate(&temp.file, layout.file_size()).at(&temp.path, "preallocating")?;
+        temp.file
+            .write_all_at(&layout.header, 0)
+            .at(&temp.path, "writing the header")?;
+        temps.push(temp);
+    }
+    // Chunk k of the whole pass belongs to the file whose range of chunk numbers holds it.
+    let mut first_chunk = Vec::with_capacity(jobs.len() + 1);
+    first_chunk.push(0usize);
+    for l in &layouts {
+        first_chunk.push(first_chunk.last().copied().unwrap_or(0) + l.chunk_count(chunk));
+    }
+    let total_chunks = *first_chunk.last().unwrap_or(&0);
+    let max_data = layouts.iter().map(|l| l.data_len).max().unwrap_or(0);
+    let buffer_len = chunk.min(max_data) as usize;
+    let buffers = AtomicUsize::new(0);
+    let buffer_bytes = AtomicU64::new(0);
+    #[cfg(test)]
+    let barrier = opts.start_barrier.as_deref();
+    #[cfg(not(test))]
+    let barrier = None;
+    let report = pool::run::<Vec<u8>, _>(opts.threads, total_chunks, barrier, |buf, k| {
+        let f = first_chunk.partition_point(|&c| c <= k) - 1;
+        let (layout, temp) = (&layouts[f], &temps[f]);
+        let range = layout.chunk_range(k - first_chunk[f], chunk);
+        let file_offset = layout.data_start() + range.start;
+        let pieces: Vec<_> = layout.pieces(range).collect();
+        let gathered: usize = pieces
+            .iter()
+            .filter(|p| layout.tensors[p.tensor].contiguous_bytes().is_none())
+            .map(|p| p.len)
+            .sum();
+        if gathered > 0 && buf.is_empty() {
+            *buf = vec![0u8; buffer_len];
+            buffers.fetch_add(1, Ordering::Relaxed);
+            buffer_bytes.fetch_add(buffer_len as u64, Ordering::Relaxed);
+        }
+        let mut at = 0;
+        for p in pieces.iter() {
+            let t = &layout.tensors[p.tensor];
+            if t.contiguous_bytes().is_none() {
+                t.gather(p.start, &mut buf[at..at + p.len]);
+                at += p.len;
+            }
+        }
+        let mut at = 0;
+        let parts: Vec<&[u8]> = pieces
+            .iter()
+            .map(|p| match layout.tensors[p.tensor].contiguous_bytes() {
+                Some(bytes) => &bytes[p.start as usize..p.start as usize + p.len],
+                None => {
+                    at += p.len;
+                    &buf[at - p.len..at]
+                }
+            })
+            .collect();
+        sys::write_all_vectored_at(&temp.file, &parts, file_offset)
+            .at(&temp.path, &format!("writing {} bytes at offset {file_offset}", range_len(&parts)))
+    })?;
+    if opts.durable {
+        pool::run::<(), _>(opts.threads, temps.len(), None, |_, i| {
+            temps[i].file.sync_all().at(&temps[i].path, "fsyncing")
+        })?;
+    }
+    let mut dirs = BTreeSet::new();
+    for (temp, job) in temps.iter_mut().zip(jobs) {
+        fs::rename(&temp.path, &job.path).at(&job.path, "renaming the finished temp file over")?;
+        temp.committed = true;
+        dirs.insert(parent_dir(&job.path));
+    }
+    if opts.durable {
+        for d in dirs {
+            sys::fsync_dir(&d).at(&d, "fsyncing the folder")?;
+        }
+    }
+    Ok(WriteStats {
+        file_sizes: layouts.iter().map(FileLayout::file_size).collect(),
+        chunks: total_chunks,
+        threads_used: report.threads_used,
+        chunk_buffers: buffers.into_inner(),
+        chunk_buffer_bytes: buffer_bytes.into_inner(),
+    })
+}
+
+fn range_len(parts: &[&[u8]]) -> usize {
+    parts.iter().map(|p| p.len()).sum()
+}
+
+/// The folder holding `path` (`.` for a bare file name).
+fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// A temp file beside its target, removed on drop unless committed.
+struct TempFile {
+    path: PathBuf,
+    file: File,
+    committed: bool,
+}
+
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl TempFile {
+    /// Create `.<target name>.<pid>.<n>.tmp` beside `target` with mode 0o666 & ~umask, or the target's mode
+    /// when it already exists.
+    fn create(target: &Path) -> Result<TempFile> {
+        let name = target.file_name().ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: not a file path", target.display()))
+        })?;
+        let dir = parent_dir(target);
+        let existing_mode = match fs::metadata(target) {
+            Ok(m) => Some(m.permissions().mode() & 0o7777),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(Error::io(target, "reading the existing file's mode", e)),
+        };
+        loop {
+            let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+            let mut temp_name = std::ffi::OsString::from(".");
+            temp_name.push(name);
+            temp_name.push(format!(".{}.{n}.tmp", std::process::id()));
+            let path = dir.join(temp_name);
+            let opened = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o666)
+                .open(&path);
+            let file = match opened {
+                Ok(f) => f,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(Error::io(&path, "creating the temp file", e)),
+            };
+            let temp = TempFile {
+                path,
+                file,
+                committed: false,
+            };
+            if let Some(mode) = existing_mode {
+                temp.file
+                    .set_permissions(fs::Permissions::from_mode(mode))
+                    .at(&temp.path, "copying the existing file's mode to")?;
+            }
+            return Ok(temp);
+        }
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "writer_tests.rs"]
+mod tests;

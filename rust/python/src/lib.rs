@@ -1,0 +1,20 @@
+//! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
+//! errors (mapping), write (write_file, write_files, serialize), read (SafetensorsFile, parse_header), commit.
+
+mod commit;
+mod errors;
+mod read;
+mod write;
+
+use pyo3::prelude::*;
+
+/// The Rust core of fastckpt: safetensors writing, reading and committing. See `fastckpt/_core.pyi`.
+#[pymodule]
+mod _core {
+    #[pymodule_export]
+    use super::commit::commit_dir;
+    #[pymodule_export]
+    use super::read::{parse_header, SafetensorsFile};
+    #[pymodule_export]
+    use super::write::{serialize, write_file, write_files};
+}

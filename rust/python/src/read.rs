@@ -1,0 +1,210 @@
+//! `SafetensorsFile` (an opened, validated, privately mapped file exposing the buffer protocol) and
+//! `parse_header` (validate an in-memory file).
+
+use std::ffi::c_int;
+use std::path::PathBuf;
+use std::ptr::NonNull;
+
+use fastckpt_core::{Header, TensorInfo, DEFAULT_CHUNK_BYTES};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::errors::to_py;
+
+/// `(name, dtype, shape, begin, end)`, offsets relative to the data section.
+type TensorTuple = (String, &'static str, Vec<u64>, u64, u64);
+
+fn tensor_tuples(tensors: &[TensorInfo]) -> Vec<TensorTuple> {
+    tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.begin, t.end))
+        .collect()
+}
+
+fn metadata_dict<'py>(
+    py: Python<'py>,
+    metadata: Option<&[(String, String)]>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    metadata
+        .map(|m| {
+            let d = PyDict::new(py);
+            for (k, v) in m {
+                d.set_item(k, v)?;
+            }
+            Ok(d)
+        })
+        .transpose()
+}
+
+/// An opened, validated safetensors file mapped privately (copy-on-write) and writably.
+#[pyclass(frozen, module = "fastckpt._core")]
+pub struct SafetensorsFile {
+    inner: fastckpt_core::SafetensorsFile,
+}
+
+#[pymethods]
+impl SafetensorsFile {
+    /// Open `path` and validate its header fully; raises HeaderError, TruncatedFileError, DtypeError, OSError.
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let inner = py
+            .detach(|| fastckpt_core::SafetensorsFile::open(&path))
+            .map_err(to_py)?;
+        Ok(SafetensorsFile { inner })
+    }
+
+    /// The path it was opened with.
+    #[getter]
+    fn path(&self) -> &std::ffi::OsStr {
+        self.inner.path().as_os_str()
+    }
+
+    /// The file's size in bytes.
+    #[getter]
+    fn file_size(&self) -> u64 {
+        self.inner.file_size()
+    }
+
+    /// 8 + the header length: tensor offsets are relative to it.
+    #[getter]
+    fn data_start(&self) -> u64 {
+        self.inner.data_start()
+    }
+
+    /// `__metadata__` as a dict (file order), or None when the file has none.
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        metadata_dict(py, self.inner.metadata())
+    }
+
+    /// `[(name, dtype, shape, begin, end)]` in file (offset) order, offsets relative to `data_start`.
+    fn tensors(&self) -> Vec<TensorTuple> {
+        tensor_tuples(self.inner.tensors())
+    }
+
+    /// Fill each `(name, buffer)` target (writable, C-contiguous, exactly the tensor's size) with the
+    /// tensor's bytes by parallel positional reads, GIL released.
+    #[pyo3(signature = (targets, *, threads = 0))]
+    fn read_into(&self, py: Python<'_>, targets: &Bound<'_, PyList>, threads: usize) -> PyResult<()> {
+        let mut held: Vec<(String, PyUntypedBuffer)> = Vec::with_capacity(targets.len());
+        for item in targets.iter() {
+            let (name, obj): (String, Bound<'_, PyAny>) = item.extract()?;
+            let buf = PyUntypedBuffer::get(&obj)?;
+            if buf.readonly() || !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "{}: the target buffer for tensor {name:?} must be writable and C-contiguous",
+                    self.inner.path().display()
+                )));
+            }
+            held.push((name, buf));
+        }
+        let mut spans: Vec<(usize, usize, &str)> = held
+            .iter()
+            .map(|(n, b)| (b.buf_ptr() as usize, b.len_bytes(), n.as_str()))
+            .filter(|s| s.1 > 0)
+            .collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(PyValueError::new_err(format!(
+                    "{}: the target buffers for tensors {:?} and {:?} overlap",
+                    self.inner.path().display(),
+                    w[0].2,
+                    w[1].2
+                )));
+            }
+        }
+        let targets: Vec<(String, &mut [u8])> = held
+            .iter()
+            .map(|(name, b)| {
+                let len = b.len_bytes();
+                let ptr = NonNull::new(b.buf_ptr().cast::<u8>())
+                    .filter(|_| len > 0)
+                    .unwrap_or(NonNull::dangling());
+                // SAFETY: each buffer is exported (held in `held` until this call returns), writable and
+                // C-contiguous, and no two targets overlap (checked above), so these are disjoint, valid
+                // mutable slices. Zero lengths use a dangling, aligned pointer.
+                let slice = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+                (name.clone(), slice)
+            })
+            .collect();
+        py.detach(|| self.inner.read_into(targets, threads, DEFAULT_CHUNK_BYTES))
+            .map_err(to_py)
+    }
+
+    /// Drop the file handle; the mapping (and every view of it) stays valid.
+    fn close(&self) {
+        self.inner.close();
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SafetensorsFile({:?}, tensors={}, file_size={})",
+            self.inner.path().display().to_string(),
+            self.inner.tensors().len(),
+            self.inner.file_size()
+        )
+    }
+
+    /// The whole private mapping as a writable 1-D unsigned-byte buffer; every view keeps this object (and so
+    /// the mapping) alive.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("a NULL Py_buffer"));
+        }
+        let (ptr, len) = slf.get().inner.mapping();
+        // SAFETY: `view` is a non-NULL Py_buffer supplied by the interpreter; the mapping is `len` bytes,
+        // readable and writable (private), and lives as long as `slf`, which PyBuffer_FillInfo stores in
+        // `view.obj` with a new reference. FillInfo uses a static "B" format, so nothing needs freeing.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr.as_ptr().cast(),
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to free per view: the mapping lives as long as the object.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// Validate a whole in-memory file; returns `(metadata, tensors, data_start)`.
+#[pyfunction]
+pub fn parse_header<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+) -> PyResult<(Option<Bound<'py, PyDict>>, Vec<TensorTuple>, u64)> {
+    let buf = PyUntypedBuffer::get(data)?;
+    if !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err("parse_header needs a C-contiguous buffer"));
+    }
+    let len = buf.len_bytes();
+    let ptr = NonNull::new(buf.buf_ptr().cast::<u8>())
+        .filter(|_| len > 0)
+        .unwrap_or(NonNull::dangling());
+    // SAFETY: the buffer is exported (held by `buf` for this whole call) and C-contiguous; the caller must not
+    // resize or write to it meanwhile. A zero length uses a dangling, aligned pointer.
+    let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
+    let header: Header = py
+        .detach(|| fastckpt_core::parse_file(bytes, "<bytes>"))
+        .map_err(to_py)?;
+    Ok((
+        metadata_dict(py, header.metadata.as_deref())?,
+        tensor_tuples(&header.tensors),
+        header.data_start,
+    ))
+}

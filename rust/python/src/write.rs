@@ -1,0 +1,182 @@
+//! `write_file`, `write_files`, `serialize`: tensor sources are converted and checked with the GIL held (the
+//! Python buffers are kept alive in [`HeldSource`]), then all copying and I/O runs with the GIL released.
+
+use std::path::PathBuf;
+use std::ptr::NonNull;
+
+use fastckpt_core::{Dtype, FileJob, TensorSource, WriteOptions, DEFAULT_CHUNK_BYTES};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::to_py;
+
+/// `(name, dtype, shape, buffer, byte_offset, byte_strides)` as Python passes it.
+type SourceTuple<'py> = (
+    String,
+    String,
+    Vec<i64>,
+    Bound<'py, PyAny>,
+    i64,
+    Option<Vec<i64>>,
+);
+
+/// A tensor source whose Python buffer is held (exported) for as long as this lives.
+pub struct HeldSource {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    buffer: PyUntypedBuffer,
+    byte_offset: u64,
+    byte_strides: Option<Vec<u64>>,
+}
+
+fn non_negative(values: &[i64], what: &str, name: &str) -> PyResult<Vec<u64>> {
+    values
+        .iter()
+        .map(|&v| u64::try_from(v))
+        .collect::<Result<_, _>>()
+        .map_err(|_| PyValueError::new_err(format!("tensor {name:?}: {what} {values:?} has a negative entry")))
+}
+
+impl HeldSource {
+    /// Convert and check one source tuple (`file` names the file in messages).
+    pub fn extract(obj: &Bound<'_, PyAny>, file: &str) -> PyResult<Self> {
+        let (name, dtype, shape, buf, offset, strides): SourceTuple<'_> = obj.extract()?;
+        let dtype = Dtype::parse_for(&dtype, &name, file).map_err(to_py)?;
+        let shape = non_negative(&shape, "shape", &name)?;
+        let byte_strides = strides
+            .map(|s| non_negative(&s, "byte_strides", &name))
+            .transpose()?;
+        let byte_offset = u64::try_from(offset).map_err(|_| {
+            PyValueError::new_err(format!("tensor {name:?}: negative byte_offset {offset}"))
+        })?;
+        let buffer = PyUntypedBuffer::get(&buf)?;
+        if !buffer.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "tensor {name:?}: its buffer is not C-contiguous (pass the tensor's whole storage as bytes)"
+            )));
+        }
+        Ok(HeldSource {
+            name,
+            dtype,
+            shape,
+            buffer,
+            byte_offset,
+            byte_strides,
+        })
+    }
+
+    /// The core's view of this source; borrows the held buffer.
+    pub fn source(&self) -> TensorSource<'_> {
+        let len = self.buffer.len_bytes();
+        let ptr = NonNull::new(self.buffer.buf_ptr().cast::<u8>())
+            .filter(|_| len > 0)
+            .unwrap_or(NonNull::dangling());
+        // SAFETY: the buffer is exported (held by `self.buffer`) and C-contiguous, so `len` bytes from its
+        // start are valid for as long as `self` lives; a zero length uses a dangling, aligned pointer. The
+        // caller must not resize or write to the object while it is being written (documented in _core.pyi).
+        let data = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
+        TensorSource {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data,
+            byte_offset: self.byte_offset,
+            byte_strides: self.byte_strides.clone(),
+        }
+    }
+}
+
+/// Extract a list of source tuples.
+pub fn extract_sources(tensors: &Bound<'_, PyAny>, file: &str) -> PyResult<Vec<HeldSource>> {
+    tensors
+        .try_iter()?
+        .map(|t| HeldSource::extract(&t?, file))
+        .collect()
+}
+
+fn options(durable: bool, threads: usize, chunk_bytes: u64) -> WriteOptions {
+    WriteOptions {
+        durable,
+        threads,
+        chunk_bytes,
+        ..WriteOptions::default()
+    }
+}
+
+/// Write one safetensors file; returns its size in bytes. See `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, metadata, *, durable = true, threads = 0, chunk_bytes = DEFAULT_CHUNK_BYTES))]
+pub fn write_file(
+    py: Python<'_>,
+    path: PathBuf,
+    tensors: &Bound<'_, PyAny>,
+    metadata: Option<Vec<(String, String)>>,
+    durable: bool,
+    threads: usize,
+    chunk_bytes: u64,
+) -> PyResult<u64> {
+    let held = extract_sources(tensors, &path.display().to_string())?;
+    let opts = options(durable, threads, chunk_bytes);
+    let sources: Vec<TensorSource<'_>> = held.iter().map(HeldSource::source).collect();
+    let stats = py
+        .detach(|| fastckpt_core::write_file(&path, sources, metadata, &opts))
+        .map_err(to_py)?;
+    Ok(stats.file_sizes[0])
+}
+
+/// Write several files in one parallel pass; returns each file's size. See `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = DEFAULT_CHUNK_BYTES))]
+pub fn write_files(
+    py: Python<'_>,
+    jobs: &Bound<'_, PyAny>,
+    durable: bool,
+    threads: usize,
+    chunk_bytes: u64,
+) -> PyResult<Vec<u64>> {
+    let mut held = Vec::new();
+    for job in jobs.try_iter()? {
+        let (path, tensors, metadata): (PathBuf, Bound<'_, PyAny>, Option<Vec<(String, String)>>) =
+            job?.extract()?;
+        let sources = extract_sources(&tensors, &path.display().to_string())?;
+        held.push((path, sources, metadata));
+    }
+    let file_jobs: Vec<FileJob<'_>> = held
+        .iter()
+        .map(|(path, sources, metadata)| FileJob {
+            path: path.clone(),
+            tensors: sources.iter().map(HeldSource::source).collect(),
+            metadata: metadata.clone(),
+        })
+        .collect();
+    let opts = options(durable, threads, chunk_bytes);
+    let stats = py
+        .detach(|| fastckpt_core::write_files(&file_jobs, &opts))
+        .map_err(to_py)?;
+    Ok(stats.file_sizes)
+}
+
+/// The bytes `write_file` would write, as a `bytes` object. See `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata))]
+pub fn serialize<'py>(
+    py: Python<'py>,
+    tensors: &Bound<'py, PyAny>,
+    metadata: Option<Vec<(String, String)>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let held = extract_sources(tensors, "<bytes>")?;
+    let sources: Vec<TensorSource<'_>> = held.iter().map(HeldSource::source).collect();
+    let layout = py
+        .detach(|| fastckpt_core::FileLayout::plan(&sources, metadata.as_deref(), "<bytes>"))
+        .map_err(to_py)?;
+    let size = usize::try_from(layout.file_size())
+        .map_err(|_| PyValueError::new_err("serialized size does not fit in memory"))?;
+    PyBytes::new_with(py, size, |out| {
+        // The new bytes object is not visible to any other Python code yet, so filling it unlocked is safe.
+        py.detach(|| layout.serialize_into(out, 0, DEFAULT_CHUNK_BYTES))
+            .map_err(to_py)
+    })
+}
