@@ -10,6 +10,7 @@ Run: ``pytest benches --benchmark-enable`` (see benches/README.md).
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import shutil
 
@@ -18,15 +19,16 @@ import pytest
 import fastckpt
 from fastckpt.demo import dir_bytes, drop_page_cache, fsync_tree
 
-ROUNDS = 5
+ROUNDS = int(os.environ.get("FASTCKPT_BENCH_ROUNDS", "5"))
 
 accelerate = pytest.importorskip("accelerate")
 logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
 def _fastckpt_save(state, path: pathlib.Path, model_only: bool) -> None:
-    fastckpt.save_state(state.model, state.optimizer, state.scheduler, output_dir=path, model_only=model_only,
-                        durable=True)
+    fastckpt.save_state(
+        state.model, state.optimizer, state.scheduler, output_dir=path, model_only=model_only, durable=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +83,11 @@ def _bench_load(benchmark, report, load, path: pathlib.Path, raw_disk: dict[str,
 @pytest.mark.parametrize("model_only", [False, True], ids=["full", "model_only"])
 def test_load_fastckpt(benchmark, report, fresh_state, saved, raw_disk, model_only):
     path = saved["model_only" if model_only else "full"]
-    if model_only:
-        load = lambda: fastckpt.load_state(fresh_state.model, input_dir=path, model_only=True)  # noqa: E731
-    else:
-        load = lambda: fastckpt.load_state(  # noqa: E731
-            fresh_state.model, fresh_state.optimizer, fresh_state.scheduler, input_dir=path)
+    objects = (fresh_state.model, fresh_state.optimizer, fresh_state.scheduler)[: 1 if model_only else 3]
+
+    def load():
+        fastckpt.load_state(*objects, input_dir=path, model_only=model_only)
+
     _bench_load(benchmark, report, load, path, raw_disk)
 
 

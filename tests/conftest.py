@@ -87,7 +87,8 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 def assert_tensor_identical(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)} is not a tensor"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    shapes = (tuple(actual.shape), tuple(expected.shape))
+    assert shapes[0] == shapes[1], f"{what}: shape {shapes[0]} != {shapes[1]}"
     assert tensor_bytes(actual) == tensor_bytes(expected), f"{what}: bytes differ"
 
 
@@ -219,6 +220,24 @@ class TiedNet(nn.Module):
 def make_tiny(seed: int) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet()
+
+
+def make_training_state(seed: int):
+    """(TinyNet, AdamW, StepLR) built from ``seed``: the usual training state of the checkpoint tests."""
+    model = make_tiny(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+class FakeConfig:
+    """Stands for a transformers config: all fastckpt needs is ``to_json_string()``."""
+
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def to_json_string(self):
+        return json.dumps(self.kw, indent=2, sort_keys=True) + "\n"
 
 
 def batches(n: int, *, seed: int = 1234, d_in: int = 4, d_out: int = 3, batch: int = 5):

@@ -95,7 +95,12 @@ def test_diff_is_type_strict():
 
 @pytest.mark.slow
 def test_python_dash_m_fastckpt_demo():
-    proc = subprocess.run([sys.executable, "-m", "fastckpt", "demo", "--size", "tiny", "--steps", "2"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "demo", "--size", "tiny", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum(line.rstrip().endswith("yes") for line in proc.stdout.splitlines()) == 3, proc.stdout

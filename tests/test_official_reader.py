@@ -8,19 +8,25 @@ loader misses (F8_E8M0, F4), ``get_slice`` against the official slices, C14 (ove
 
 from __future__ import annotations
 
+import json
+import struct
+
+import numpy as np
 import pytest
 import safetensors.torch as official
 import torch
 from safetensors import safe_open as official_safe_open
 
+import fastckpt
 import fastckpt.torch as ft
 from conftest import (
     SHARED_DTYPES,
     assert_tensor_dicts_identical,
     assert_tensor_identical,
     random_tensor,
-    tensor_order,
     read_split,
+    tensor_order,
+    write_raw_safetensors,
 )
 
 
@@ -174,10 +180,6 @@ def test_loaders_handle_dtypes_the_official_bytes_loader_misses(tmp_path, dtype)
 
 
 def test_f4_with_odd_last_dimension_is_a_named_dtype_error(tmp_path):
-    import fastckpt
-
-    from conftest import write_raw_safetensors
-
     path = write_raw_safetensors(
         tmp_path / "f4odd.safetensors", {"packed": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]}}, bytes(3)
     )
@@ -242,3 +244,50 @@ def test_c15_explicit_cpu_device_inside_meta_context(tmp_path):
         assert_tensor_dicts_identical(d, tensors, ordered=False)
     assert sliced.device == torch.device("cpu")
     assert_tensor_identical(sliced, tensors["z.f32"][1:])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# foreign files the official reader accepts: unaligned offsets, unpadded or pretty-printed headers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _foreign_header_and_data():
+    header = {  # listed out of offset order; the F32 tensor starts at byte 3 (not 4-aligned)
+        "f": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+        "u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "d": {"dtype": "F64", "shape": [1], "data_offsets": [11, 19]},
+        "__metadata__": {"a": "b"},
+    }
+    data = bytes([1, 2, 3]) + np.array([1.5, -2.0], dtype=np.float32).tobytes() + np.array([0.1]).tobytes()
+    return header, data
+
+
+@pytest.mark.parametrize("style", ["unpadded", "padded", "pretty"])
+def test_foreign_file_unaligned_offsets_equal_official(tmp_path, style):
+    header, data = _foreign_header_and_data()
+    path = tmp_path / f"{style}.safetensors"
+    if style == "pretty":
+        raw = json.dumps(header, indent=2).encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    else:
+        write_raw_safetensors(path, header, data, pad=style == "padded")
+    theirs = official.load_file(path)
+    assert_tensor_dicts_identical(ft.load_file(path), theirs, ordered=True)
+    assert_tensor_dicts_identical(ft.load(path.read_bytes()), theirs, ordered=False)
+    with ft.safe_open(path, "pt") as f:
+        assert f.metadata() == {"a": "b"}
+        assert list(f.keys()) == ["d", "f", "u"]
+        assert_tensor_identical(f.get_tensor("f"), torch.tensor([1.5, -2.0]))
+        assert_tensor_identical(f.get_slice("f")[1:], torch.tensor([-2.0]))
+
+
+def test_get_slice_of_a_scalar(tmp_path):
+    path, tensors = _official_file(tmp_path)
+    with official_safe_open(str(path), "pt") as f:
+        expected = f.get_slice("scalar")[...]
+    with ft.safe_open(path, "pt") as f:
+        s = f.get_slice("scalar")
+        assert list(s.get_shape()) == []
+        got = s[...]
+    assert_tensor_identical(got, expected)
+    assert_tensor_identical(got, tensors["scalar"])

@@ -125,12 +125,12 @@ class SafetensorsFile:
 
     def read_into(self, targets: Sequence[tuple[str, Buffer]], *, threads: int = 0) -> None:
         """Fill each writable, C-contiguous buffer with its tensor's bytes by parallel positional reads of the
-        file (not the mapping), GIL released.
+        file (not the mapping), GIL released. Buffers that overlap (aliases of one storage) are filled one after
+        the other in list order, so the later target's bytes win where they overlap.
 
         Raises:
             KeyMismatchError: an unknown tensor name.
-            ValueError: a buffer of the wrong size, read-only, non-contiguous, overlapping another, or the file
-                was closed.
+            ValueError: a buffer of the wrong size, read-only or non-contiguous, or the file was closed.
             TruncatedFileError, OSError: the file shrank or cannot be read.
         """
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "num_parameters"]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "num_parameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +126,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-                ln_f=nn.LayerNorm(config.n_embd),
-            )
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.block_size, config.n_embd),
+                "drop": nn.Dropout(config.dropout),
+                "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                "ln_f": nn.LayerNorm(config.n_embd),
+            }
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2

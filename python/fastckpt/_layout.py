@@ -117,12 +117,13 @@ def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None) -> Path
 
 
 def next_checkpoint_dir(project_dir: Path) -> Path:
-    """``checkpoints/checkpoint_{n}`` with n one above the largest number present (committed or not: a folder
-    left by an unfinished save is never overwritten by automatic naming)."""
-    root = project_dir / "checkpoints"
-    numbers = [int(m.group(1)) for e in (root.iterdir() if root.is_dir() else ())
-               if (m := _CHECKPOINT_RE.match(e.name))]
-    return root / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
+    """``checkpoints/checkpoint_{n}`` with n one above the largest *committed* number (0 when none).
+
+    A folder left by an unfinished save (no manifest) does not count; if it sits at ``n`` it is replaced whole
+    when the new checkpoint is committed.
+    """
+    numbers = checkpoint_numbers(project_dir)
+    return project_dir / "checkpoints" / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
 
 
 def rotate_checkpoints(project_dir: Path, total_limit: int) -> list[Path]:

@@ -34,8 +34,8 @@ def rng_payload(step: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     version, words, gauss_next = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     tensors = {
-        "step": torch.tensor(int(step), dtype=torch.int64),
-        "python": torch.tensor(words, dtype=torch.int64),
+        "step": torch.tensor(int(step), dtype=torch.int64, device="cpu"),
+        "python": torch.tensor(words, dtype=torch.int64, device="cpu"),
         "numpy": torch.from_numpy(np.ascontiguousarray(np_keys, dtype=np.uint32)),
         "torch": torch.get_rng_state(),
     }

@@ -44,7 +44,7 @@ def find_aliases(state_dict: Mapping[str, torch.Tensor], *, any_overlap: bool = 
     """
     by_storage: dict[tuple, list[str]] = {}
     for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_meta:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 or t.is_meta:
             continue
         storage = t.untyped_storage()
         by_storage.setdefault((t.device, storage.data_ptr()), []).append(name)

@@ -50,6 +50,9 @@ _CORPUS_MODULES = ("argparse", "dataclasses", "textwrap", "string", "json.decode
 _WARMUP_STEPS = 2
 _SCHEDULE_STEPS = 100  # cosine decay length after the warm-up
 
+Objects = tuple[GPT, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+Method = tuple[Callable[[Objects, pathlib.Path], float], Callable[[Objects, pathlib.Path], float]]
+
 
 @dataclasses.dataclass
 class DemoRow:
@@ -105,7 +108,7 @@ def corpus_text() -> str:
     return "\n".join(parts)
 
 
-def build_training(config_name: str, seed: int) -> tuple[GPT, torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
+def build_training(config_name: str, seed: int) -> Objects:
     """A GPT-2 model initialised from ``seed``, AdamW (weight decay on matrices only, two param_groups) and a
     linear warm-up followed by cosine decay (``SequentialLR``: its state is plain data, no lambda)."""
     torch.manual_seed(seed)
@@ -188,15 +191,16 @@ def _tie_groups(model: torch.nn.Module) -> list[list[str]]:
     return sorted(sorted(names) for names in groups.values() if len(names) > 1)
 
 
-def verify(model, fresh_model, *, full: bool, optimizer=None, fresh_optimizer=None, scheduler=None,
-           fresh_scheduler=None, draws_after_save=None) -> list[str]:
-    """Compare the reloaded objects with the saved ones; returns every mismatch (empty: bit-exact)."""
+def verify(saved: Objects, loaded: Objects, *, full: bool, draws_after_save: list[Any]) -> list[str]:
+    """Compare the reloaded (model, optimizer, scheduler) with the saved ones; returns every mismatch (empty:
+    bit-exact). ``full=False`` (a model-only checkpoint) compares the model alone."""
+    model, fresh_model = saved[0], loaded[0]
     problems = diff(model.state_dict(), fresh_model.state_dict(), "model")
     if _tie_groups(model) != _tie_groups(fresh_model):
         problems.append(f"model: tied weights {_tie_groups(model)} != {_tie_groups(fresh_model)} after load")
     if full:
-        problems += diff(optimizer.state_dict(), fresh_optimizer.state_dict(), "optimizer")
-        problems += diff(scheduler.state_dict(), fresh_scheduler.state_dict(), "scheduler")
+        problems += diff(saved[1].state_dict(), loaded[1].state_dict(), "optimizer")
+        problems += diff(saved[2].state_dict(), loaded[2].state_dict(), "scheduler")
         problems += diff(draws_after_save, draw_random(), "random draws")
     return problems
 
@@ -233,22 +237,59 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _save_accelerate(model, optimizer, scheduler, path: pathlib.Path) -> float:
+def _folder(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def _methods(fastckpt: Any, *, step: int, threads: int) -> dict[str, Method]:
+    """Row name -> (save, load); each takes (model, optimizer, scheduler) and a folder and returns seconds."""
+
+    def fastckpt_method(model_only: bool) -> Method:
+        def save(objects: Objects, path: pathlib.Path) -> float:
+            return _timed(
+                lambda: fastckpt.save_state(
+                    *objects, output_dir=path, model_only=model_only, step=step, durable=True, threads=threads
+                )
+            )
+
+        def load(objects: Objects, path: pathlib.Path) -> float:
+            loaded = objects[:1] if model_only else objects
+            return _timed(lambda: fastckpt.load_state(*loaded, input_dir=path, model_only=model_only, threads=threads))
+
+        return save, load
+
+    def accelerate_save(objects: Objects, path: pathlib.Path) -> float:
+        accelerator = _prepared_accelerator(objects)
+        with _quiet("accelerate"):
+            return _timed(lambda: (accelerator.save_state(str(path)), fsync_tree(path)))
+
+    def accelerate_load(objects: Objects, path: pathlib.Path) -> float:
+        accelerator = _prepared_accelerator(objects)
+        with _quiet("accelerate"):
+            return _timed(lambda: accelerator.load_state(str(path)))
+
+    return {
+        "fastckpt full": fastckpt_method(model_only=False),
+        "fastckpt model_only": fastckpt_method(model_only=True),
+        "accelerate": (accelerate_save, accelerate_load),
+    }
+
+
+def _prepared_accelerator(objects: Objects) -> Any:
+    """A CPU ``Accelerator`` that has prepared the model, optimizer and scheduler (as a training script would)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    accelerator.prepare(model, optimizer, scheduler)
-    with _quiet("accelerate"):
-        return _timed(lambda: (accelerator.save_state(str(path)), fsync_tree(path)))
+    accelerator.prepare(*objects)
+    return accelerator
 
 
-def _load_accelerate(model, optimizer, scheduler, path: pathlib.Path) -> float:
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(cpu=True)
-    accelerator.prepare(model, optimizer, scheduler)
-    with _quiet("accelerate"):
-        return _timed(lambda: accelerator.load_state(str(path)))
+def _accelerate_installed() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -264,12 +305,22 @@ def _quiet(logger_name: str) -> Iterator[None]:
 
 
 def dir_bytes(path: pathlib.Path) -> int:
+    """Total size in bytes of the files under ``path``."""
     return sum(p.stat().st_size for p in _files(path))
 
 
-def run_demo(size: str = "small", steps: int = 3, out_dir: str | os.PathLike | None = None, *, threads: int = 0,
-             batch_size: int = 2, seq_len: int = 64, seed: int = 1234, cold_cache: bool = True,
-             stream: TextIO | None = None) -> DemoResult:
+def run_demo(
+    size: str = "small",
+    steps: int = 3,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    threads: int = 0,
+    batch_size: int = 2,
+    seq_len: int = 64,
+    seed: int = 1234,
+    cold_cache: bool = True,
+    stream: TextIO | None = None,
+) -> DemoResult:
     """Train GPT-2 ``size`` for ``steps`` steps, checkpoint it with fastckpt (full, model_only) and accelerate,
     reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table.
 
@@ -302,54 +353,43 @@ def run_demo(size: str = "small", steps: int = 3, out_dir: str | os.PathLike | N
     started = time.perf_counter()
     model, optimizer, scheduler = build_training(size, seed)
     params = num_parameters(model)
-    print(f"GPT-2 {size}: {params:,} parameters; training {steps} steps of {batch_size} x {seq_len} byte tokens",
-          file=out)
+    print(
+        f"GPT-2 {size}: {params:,} parameters; training {steps} steps of {batch_size} x {seq_len} byte tokens", file=out
+    )
     losses = train(model, optimizer, scheduler, steps, batch_size, seq_len, seed)
     print("losses: " + ", ".join(f"{loss:.3f}" for loss in losses), file=out)
 
     root = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="fastckpt-demo-"))
-    names = {"fastckpt full": "fastckpt_full", "fastckpt model_only": "fastckpt_model_only", "accelerate": "accelerate"}
-    for folder in names.values():
-        if (root / folder).exists():
-            raise FileExistsError(f"{root / folder} already exists; pick an empty --keep folder")
+    methods = _methods(fastckpt, step=steps, threads=threads)
+    if not _accelerate_installed():
+        print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
+        methods.pop("accelerate")
+    for name in methods:
+        if (root / _folder(name)).exists():
+            raise FileExistsError(f"{root / _folder(name)} already exists; pick an empty --keep folder")
+    trained = (model, optimizer, scheduler)
     rows = []
     try:
-        for name, folder in names.items():
-            if name == "accelerate" and not _accelerate_installed():
-                print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
-                continue
-            path = root / folder
-            model_only = name == "fastckpt model_only"
-            if name == "accelerate":
-                save_s = _save_accelerate(model, optimizer, scheduler, path)
-            else:
-                save_s = _timed(lambda: fastckpt.save_state(
-                    model, optimizer, scheduler, output_dir=path, model_only=model_only, step=steps,
-                    durable=True, threads=threads))
+        for name, (save, load) in methods.items():
+            path = root / _folder(name)
+            save_s = save(trained, path)
             draws = draw_random()
-            fresh_model, fresh_optimizer, fresh_scheduler = build_training(size, seed + 1)
+            fresh = build_training(size, seed + 1)
             if cold_cache:
                 drop_page_cache(path)
-            if name == "accelerate":
-                load_s = _load_accelerate(fresh_model, fresh_optimizer, fresh_scheduler, path)
-            elif model_only:
-                load_s = _timed(lambda: fastckpt.load_state(fresh_model, input_dir=path, model_only=True))
-            else:
-                load_s = _timed(lambda: fastckpt.load_state(fresh_model, fresh_optimizer, fresh_scheduler,
-                                                            input_dir=path))
-            problems = verify(model, fresh_model, full=not model_only, optimizer=optimizer,
-                              fresh_optimizer=fresh_optimizer, scheduler=scheduler,
-                              fresh_scheduler=fresh_scheduler, draws_after_save=draws)
+            load_s = load(fresh, path)
+            problems = verify(trained, fresh, full=name != "fastckpt model_only", draws_after_save=draws)
             rows.append(DemoRow(name, path, dir_bytes(path), save_s, load_s, problems))
-            del fresh_model, fresh_optimizer, fresh_scheduler
+            del fresh
     finally:
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
     result = DemoResult(rows, params, losses, time.perf_counter() - started)
     print(format_table(rows), file=out)
-    print("save: durable (fastckpt durable=True; accelerate save_state + fsync of every file it wrote)"
-          + ("; load: from a cold page cache" if cold_cache else "; load: from the page cache"), file=out)
+    cache = "a cold page cache (posix_fadvise DONTNEED)" if cold_cache else "the page cache"
+    print("save: durable on both sides (fastckpt durable=True; accelerate save_state + fsync of each file)", file=out)
+    print(f"save speedup: accelerate's save s / the row's save s; load: from {cache}", file=out)
     for row in rows:
         for problem in row.problems[:10]:
             print(f"MISMATCH {row.name}: {problem}", file=out)
@@ -358,31 +398,24 @@ def run_demo(size: str = "small", steps: int = 3, out_dir: str | os.PathLike | N
     return result
 
 
-def _accelerate_installed() -> bool:
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def format_table(rows: list[DemoRow]) -> str:
     """The demo's table as aligned plain text: size (MB = 1e6 bytes), seconds, GB/s (1e9 bytes/s), speedup."""
     baseline = next((row.save_s for row in rows if row.name == "accelerate"), None)
-    header = ["checkpoint", "MB written", "save s", "load s", "save GB/s", "load GB/s", "save vs accelerate",
-              "verified"]
+    header = ["checkpoint", "MB written", "save s", "load s", "save GB/s", "load GB/s", "save speedup", "verified"]
     lines = [header]
     for row in rows:
-        lines.append([
-            row.name,
-            f"{row.bytes_written / 1e6:,.1f}",
-            f"{row.save_s:.3f}",
-            f"{row.load_s:.3f}",
-            f"{row.bytes_written / 1e9 / row.save_s:.2f}" if row.save_s else "-",
-            f"{row.bytes_written / 1e9 / row.load_s:.2f}" if row.load_s else "-",
-            f"{baseline / row.save_s:.2f}x" if baseline and row.save_s else "n/a",
-            "yes" if row.verified else "no",
-        ])
+        lines.append(
+            [
+                row.name,
+                f"{row.bytes_written / 1e6:,.1f}",
+                f"{row.save_s:.3f}",
+                f"{row.load_s:.3f}",
+                f"{row.bytes_written / 1e9 / row.save_s:.2f}" if row.save_s else "-",
+                f"{row.bytes_written / 1e9 / row.load_s:.2f}" if row.load_s else "-",
+                f"{baseline / row.save_s:.2f}x" if baseline and row.save_s else "n/a",
+                "yes" if row.verified else "no",
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = [
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
@@ -394,14 +427,31 @@ def format_table(rows: list[DemoRow]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``fastckpt demo`` flags (see :mod:`fastckpt.cli`)."""
-    parser.add_argument("--size", choices=sorted(PRESETS), default="small",
-                        help="GPT-2 preset: small = 124M parameters (default), tiny = 120,576 (seconds)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps before the checkpoint (default 3)")
-    parser.add_argument("--keep", metavar="DIR", help="write the checkpoints to DIR and keep them (default: a "
-                        "temporary folder, removed)")
-    parser.add_argument("--threads", type=int, default=0, help="fastckpt I/O threads (default 0: automatic)")
-    parser.add_argument("--warm-cache", action="store_true",
-                        help="load from the page cache instead of dropping the checkpoint's pages first")
+    parser.add_argument(
+        "--size",
+        choices=sorted(PRESETS),
+        default="small",
+        help="GPT-2 preset: small = 124M parameters (default), tiny = 120,576 (seconds)",
+    )
+    parser.add_argument("--steps", type=_count, default=3, help="training steps before the checkpoint (default 3)")
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the checkpoints to DIR and keep them (default: a temporary folder, removed)",
+    )
+    parser.add_argument("--threads", type=_count, default=0, help="fastckpt I/O threads (default 0: automatic)")
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="load from the page cache instead of dropping the checkpoint's pages first",
+    )
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

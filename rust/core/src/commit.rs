@@ -29,7 +29,12 @@ pub fn commit_dir(staging: &Path, target: &Path, durable: bool) -> Result<()> {
         match sys::rename_exchange(staging, target) {
             Ok(()) => {}
             // File systems without RENAME_EXCHANGE: two renames, with the old tree parked at `staging`.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)
+                ) =>
+            {
                 let parked = parked_name(staging);
                 fs::rename(target, &parked).at(target, "moving the old tree aside from")?;
                 fs::rename(staging, target).at(target, "renaming the staging folder to")?;

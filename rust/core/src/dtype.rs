@@ -159,12 +159,25 @@ impl Dtype {
         self as u8
     }
 
-    /// Bytes of `numel` elements, when that is a whole number: `Ok(None)` when `numel * bits` is not a multiple
-    /// of 8; `Err(())` on overflow.
-    pub fn bytes_for(self, numel: u64) -> Result<Option<u64>, ()> {
-        let bits = numel.checked_mul(self.bits()).ok_or(())?;
-        Ok((bits % 8 == 0).then_some(bits / 8))
+    /// Bytes of `numel` elements of this dtype.
+    pub fn bytes_for(self, numel: u64) -> ByteSize {
+        match numel.checked_mul(self.bits()) {
+            None => ByteSize::Overflow,
+            Some(bits) if bits % 8 != 0 => ByteSize::NotWhole,
+            Some(bits) => ByteSize::Exact(bits / 8),
+        }
     }
+}
+
+/// The byte size of a number of elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ByteSize {
+    /// A whole number of bytes.
+    Exact(u64),
+    /// `numel * bits` is not a multiple of 8 (sub-byte dtypes only).
+    NotWhole,
+    /// `numel * bits` overflows u64.
+    Overflow,
 }
 
 impl fmt::Display for Dtype {
@@ -211,11 +224,11 @@ mod tests {
         assert_eq!(Dtype::C64.item_bytes(), Some(8));
         assert_eq!(Dtype::BOOL.item_bytes(), Some(1));
         assert_eq!(Dtype::F4.item_bytes(), None);
-        assert_eq!(Dtype::F4.bytes_for(4), Ok(Some(2)));
-        assert_eq!(Dtype::F4.bytes_for(3), Ok(None));
-        assert_eq!(Dtype::F6_E2M3.bytes_for(4), Ok(Some(3)));
-        assert_eq!(Dtype::F6_E3M2.bytes_for(2), Ok(None));
-        assert_eq!(Dtype::F64.bytes_for(u64::MAX), Err(()));
+        assert_eq!(Dtype::F4.bytes_for(4), ByteSize::Exact(2));
+        assert_eq!(Dtype::F4.bytes_for(3), ByteSize::NotWhole);
+        assert_eq!(Dtype::F6_E2M3.bytes_for(4), ByteSize::Exact(3));
+        assert_eq!(Dtype::F6_E3M2.bytes_for(2), ByteSize::NotWhole);
+        assert_eq!(Dtype::F64.bytes_for(u64::MAX), ByteSize::Overflow);
         assert_eq!(numel(&[2, 3, 4]), Some(24));
         assert_eq!(numel(&[]), Some(1));
         assert_eq!(numel(&[u64::MAX, 2]), None);

@@ -12,7 +12,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
 use serde::{Deserialize, Serialize};
 
-use crate::dtype::{numel, Dtype};
+use crate::dtype::{numel, ByteSize, Dtype};
 use crate::error::{Error, Result};
 
 /// The reader refuses headers larger than this many bytes (as the official reader does).
@@ -109,7 +109,9 @@ pub fn encode(metadata: Option<&[(String, String)]>, tensors: &[TensorInfo]) -> 
         let mut seen = HashSet::with_capacity(m.len());
         for (k, _) in m {
             if !seen.insert(k.as_str()) {
-                return Err(Error::InvalidArgument(format!("metadata key {k:?} given twice")));
+                return Err(Error::InvalidArgument(format!(
+                    "metadata key {k:?} given twice"
+                )));
             }
         }
     }
@@ -151,14 +153,19 @@ pub fn header_len(prefix: &[u8], file_size: u64, file: &str) -> Result<u64> {
 /// `8 + json.len()`. Every rule of CORE_API.md is checked; the tensors come back in offset order.
 pub fn parse(json: &[u8], file_size: u64, file: &str) -> Result<Header> {
     let bad = |msg: String| Error::Header(format!("{file}: {msg}"));
-    let text = std::str::from_utf8(json)
-        .map_err(|e| bad(format!("header is not valid UTF-8: {e}")))?;
+    let text =
+        std::str::from_utf8(json).map_err(|e| bad(format!("header is not valid UTF-8: {e}")))?;
     if !text.starts_with('{') {
         let got: String = text.chars().take(16).collect();
-        return Err(bad(format!("header does not start with '{{' (starts with {got:?})")));
+        return Err(bad(format!(
+            "header does not start with '{{' (starts with {got:?})"
+        )));
     }
-    let raw = parse_json(text)
-        .map_err(|e| bad(format!("header is not a valid safetensors JSON object: {e}")))?;
+    let raw = parse_json(text).map_err(|e| {
+        bad(format!(
+            "header is not a valid safetensors JSON object: {e}"
+        ))
+    })?;
 
     let mut tensors = Vec::with_capacity(raw.entries.len());
     for (name, e) in raw.entries {
@@ -167,15 +174,15 @@ pub fn parse(json: &[u8], file_size: u64, file: &str) -> Result<Header> {
         let n = numel(&e.shape)
             .ok_or_else(|| bad(format!("tensor {name:?}: shape {:?} overflows", e.shape)))?;
         let bytes = match dtype.bytes_for(n) {
-            Ok(Some(b)) => b,
-            Ok(None) => {
+            ByteSize::Exact(b) => b,
+            ByteSize::NotWhole => {
                 return Err(bad(format!(
                     "tensor {name:?}: shape {:?} of {dtype} is {n} x {} bits, not a whole number of bytes",
                     e.shape,
                     dtype.bits()
                 )))
             }
-            Err(()) => return Err(bad(format!("tensor {name:?}: shape {:?} overflows", e.shape))),
+            ByteSize::Overflow => return Err(bad(format!("tensor {name:?}: shape {:?} overflows", e.shape))),
         };
         if begin > end {
             return Err(bad(format!(
@@ -321,7 +328,10 @@ impl<'de> Visitor<'de> for StringMapVisitor<'_> {
         f.write_str("__metadata__ as an object of string to string")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
         let mut out: Vec<(String, String)> = Vec::new();
         let mut seen = HashSet::new();
         while let Some(k) = map.next_key::<String>()? {

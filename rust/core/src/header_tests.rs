@@ -1,9 +1,12 @@
 //! Header bytes for known inputs, and every validation rule rejected with the right variant.
 
 use super::*;
+use crate::dtype::ByteSize;
 
 fn info(name: &str, dtype: Dtype, shape: &[u64], begin: u64) -> TensorInfo {
-    let bytes = dtype.bytes_for(numel(shape).unwrap()).unwrap().unwrap();
+    let ByteSize::Exact(bytes) = dtype.bytes_for(numel(shape).unwrap()) else {
+        panic!("whole bytes")
+    };
     TensorInfo {
         name: name.into(),
         dtype,
@@ -54,19 +57,38 @@ fn metadata_first_in_given_order_with_serde_json_escapes() {
 #[test]
 fn duplicate_metadata_key_is_invalid_argument() {
     let meta = vec![("k".into(), "1".into()), ("k".into(), "2".into())];
-    assert_eq!(encode(Some(&meta), &[]).unwrap_err().kind(), "InvalidArgument");
+    assert_eq!(
+        encode(Some(&meta), &[]).unwrap_err().kind(),
+        "InvalidArgument"
+    );
 }
 
 #[test]
 fn writer_order_is_rank_then_name() {
-    let mut v = vec![("b", Dtype::F16), ("a", Dtype::BOOL), ("c", Dtype::F64), ("a", Dtype::F16)];
+    let mut v = vec![
+        ("b", Dtype::F16),
+        ("a", Dtype::BOOL),
+        ("c", Dtype::F64),
+        ("a", Dtype::F16),
+    ];
     v.sort_by(|x, y| writer_order(*x, *y));
-    assert_eq!(v, vec![("c", Dtype::F64), ("a", Dtype::F16), ("b", Dtype::F16), ("a", Dtype::BOOL)]);
+    assert_eq!(
+        v,
+        vec![
+            ("c", Dtype::F64),
+            ("a", Dtype::F16),
+            ("b", Dtype::F16),
+            ("a", Dtype::BOOL)
+        ]
+    );
 }
 
 #[test]
 fn parse_round_trips_and_sorts_by_offset() {
-    let t = vec![info("b", Dtype::I64, &[2], 0), info("a", Dtype::U8, &[3], 16)];
+    let t = vec![
+        info("b", Dtype::I64, &[2], 0),
+        info("a", Dtype::U8, &[3], 16),
+    ];
     let meta = vec![("x".to_string(), "y".to_string())];
     let mut file = encode(Some(&meta), &t).unwrap();
     file.extend_from_slice(&[0u8; 19]);
@@ -88,7 +110,10 @@ fn file(json: &str, data_len: usize) -> Vec<u8> {
 fn kind_of(data: &[u8]) -> (&'static str, String) {
     let e = parse_file(data, "t.safetensors").unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains("t.safetensors"), "message names the file: {msg}");
+    assert!(
+        msg.contains("t.safetensors"),
+        "message names the file: {msg}"
+    );
     (e.kind(), msg)
 }
 
@@ -101,41 +126,197 @@ fn every_rule_rejected_with_its_variant() {
     let cases: Vec<(&str, Vec<u8>, &str, &str)> = vec![
         ("short", vec![1, 2, 3], "Truncated", "found 3"),
         ("too large", big, "Header", "over the limit"),
-        ("past end", {
-            let mut v = 64u64.to_le_bytes().to_vec();
-            v.extend_from_slice(b"{}");
-            v
-        }, "Truncated", "the header needs 72 bytes, found 10"),
-        ("utf8", {
-            let mut v = 4u64.to_le_bytes().to_vec();
-            v.extend_from_slice(b"{\xff}\n");
-            v
-        }, "Header", "UTF-8"),
+        (
+            "past end",
+            {
+                let mut v = 64u64.to_le_bytes().to_vec();
+                v.extend_from_slice(b"{}");
+                v
+            },
+            "Truncated",
+            "the header needs 72 bytes, found 10",
+        ),
+        (
+            "utf8",
+            {
+                let mut v = 4u64.to_le_bytes().to_vec();
+                v.extend_from_slice(b"{\xff}\n");
+                v
+            },
+            "Header",
+            "UTF-8",
+        ),
         ("not json", file(r#"{"w":"#, 0), "Header", "not a valid"),
         ("array", file("[]", 0), "Header", "start with"),
         ("space first", file(" {}", 0), "Header", "start with"),
-        ("metadata int", file(r#"{"__metadata__":{"a":1}}"#, 0), "Header", "__metadata__ key \"a\""),
-        ("metadata null", file(r#"{"__metadata__":null}"#, 0), "Header", "__metadata__"),
-        ("metadata dup", file(r#"{"__metadata__":{"a":"1","a":"2"}}"#, 0), "Header", "duplicate key \"a\""),
-        ("entry not object", file(r#"{"w":[1]}"#, 0), "Header", "tensor \"w\""),
-        ("extra field", file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}}"#, 8), "Header", "unknown field"),
-        ("missing field", file(r#"{"w":{"dtype":"F32","shape":[2]}}"#, 8), "Header", "missing field"),
-        ("dup field", file(r#"{"w":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 8), "Header", "duplicate field"),
-        ("negative shape", file(r#"{"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#, 8), "Header", "tensor \"w\""),
-        ("offsets 3", file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}}"#, 8), "Header", "tensor \"w\""),
-        ("offsets 1", file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0]}}"#, 8), "Header", "tensor \"w\""),
-        ("dtype int", file(r#"{"w":{"dtype":3,"shape":[2],"data_offsets":[0,8]}}"#, 8), "Header", "tensor \"w\""),
-        ("duplicate name", file(&format!("{{{W},{W}}}"), 8), "Header", "duplicate key \"w\""),
-        ("unknown dtype", file(r#"{"w":{"dtype":"F128","shape":[2],"data_offsets":[0,8]}}"#, 8), "Dtype", "F128"),
-        ("overflow", file(r#"{"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}}"#, 8), "Header", "overflows"),
-        ("bits overflow", file(r#"{"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}}"#, 8), "Header", "overflows"),
-        ("f6 partial", file(r#"{"w":{"dtype":"F6_E3M2","shape":[3],"data_offsets":[0,2]}}"#, 2), "Header", "whole number of bytes"),
-        ("size mismatch", file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,12]}}"#, 12), "Header", "span 12 bytes"),
-        ("begin > end", file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#, 8), "Header", "begin after end"),
-        ("hole", file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#, 12), "Header", "hole"),
-        ("overlap", file(&format!(r#"{{{W},"v":{{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}}}"#), 12), "Header", "overlap"),
-        ("data short", file(&format!("{{{W}}}"), 7), "Truncated", "data section needs"),
-        ("data long", file(&format!("{{{W}}}"), 9), "Header", "1 extra bytes"),
+        (
+            "metadata int",
+            file(r#"{"__metadata__":{"a":1}}"#, 0),
+            "Header",
+            "__metadata__ key \"a\"",
+        ),
+        (
+            "metadata null",
+            file(r#"{"__metadata__":null}"#, 0),
+            "Header",
+            "__metadata__",
+        ),
+        (
+            "metadata dup",
+            file(r#"{"__metadata__":{"a":"1","a":"2"}}"#, 0),
+            "Header",
+            "duplicate key \"a\"",
+        ),
+        (
+            "entry not object",
+            file(r#"{"w":[1]}"#, 0),
+            "Header",
+            "tensor \"w\"",
+        ),
+        (
+            "extra field",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}}"#,
+                8,
+            ),
+            "Header",
+            "unknown field",
+        ),
+        (
+            "missing field",
+            file(r#"{"w":{"dtype":"F32","shape":[2]}}"#, 8),
+            "Header",
+            "missing field",
+        ),
+        (
+            "dup field",
+            file(
+                r#"{"w":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "Header",
+            "duplicate field",
+        ),
+        (
+            "negative shape",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "Header",
+            "tensor \"w\"",
+        ),
+        (
+            "offsets 3",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}}"#,
+                8,
+            ),
+            "Header",
+            "tensor \"w\"",
+        ),
+        (
+            "offsets 1",
+            file(r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0]}}"#, 8),
+            "Header",
+            "tensor \"w\"",
+        ),
+        (
+            "dtype int",
+            file(r#"{"w":{"dtype":3,"shape":[2],"data_offsets":[0,8]}}"#, 8),
+            "Header",
+            "tensor \"w\"",
+        ),
+        (
+            "duplicate name",
+            file(&format!("{{{W},{W}}}"), 8),
+            "Header",
+            "duplicate key \"w\"",
+        ),
+        (
+            "unknown dtype",
+            file(
+                r#"{"w":{"dtype":"F128","shape":[2],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "Dtype",
+            "F128",
+        ),
+        (
+            "overflow",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "Header",
+            "overflows",
+        ),
+        (
+            "bits overflow",
+            file(
+                r#"{"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            "Header",
+            "overflows",
+        ),
+        (
+            "f6 partial",
+            file(
+                r#"{"w":{"dtype":"F6_E3M2","shape":[3],"data_offsets":[0,2]}}"#,
+                2,
+            ),
+            "Header",
+            "whole number of bytes",
+        ),
+        (
+            "size mismatch",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,12]}}"#,
+                12,
+            ),
+            "Header",
+            "span 12 bytes",
+        ),
+        (
+            "begin > end",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#,
+                8,
+            ),
+            "Header",
+            "begin after end",
+        ),
+        (
+            "hole",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                12,
+            ),
+            "Header",
+            "hole",
+        ),
+        (
+            "overlap",
+            file(
+                &format!(r#"{{{W},"v":{{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}}}"#),
+                12,
+            ),
+            "Header",
+            "overlap",
+        ),
+        (
+            "data short",
+            file(&format!("{{{W}}}"), 7),
+            "Truncated",
+            "data section needs",
+        ),
+        (
+            "data long",
+            file(&format!("{{{W}}}"), 9),
+            "Header",
+            "1 extra bytes",
+        ),
     ];
     for (what, data, kind, needle) in cases {
         let (k, msg) = kind_of(&data);
@@ -156,5 +337,10 @@ fn json_order_is_free_and_empty_tensors_pack() {
 #[test]
 fn header_len_checks() {
     assert_eq!(header_len(&16u64.to_le_bytes(), 24, "f").unwrap(), 16);
-    assert_eq!(header_len(&17u64.to_le_bytes(), 24, "f").unwrap_err().kind(), "Truncated");
+    assert_eq!(
+        header_len(&17u64.to_le_bytes(), 24, "f")
+            .unwrap_err()
+            .kind(),
+        "Truncated"
+    );
 }

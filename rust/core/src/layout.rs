@@ -101,7 +101,10 @@ impl<'a> FileLayout<'a> {
 
     /// The tensor pieces covering the data-section range `range`, in order (empty tensors skipped).
     pub fn pieces(&self, range: Range<u64>) -> impl Iterator<Item = Piece> + '_ {
-        let first = self.begins.partition_point(|&b| b <= range.start).saturating_sub(1);
+        let first = self
+            .begins
+            .partition_point(|&b| b <= range.start)
+            .saturating_sub(1);
         (first..self.tensors.len())
             .take_while(move |&i| self.begins[i] < range.end)
             .filter_map(move |i| {
@@ -127,7 +130,11 @@ impl<'a> FileLayout<'a> {
 
     /// Write the whole file into `out` (`out.len() == file_size()`), data chunks copied by `threads` workers.
     pub fn serialize_into(&self, out: &mut [u8], threads: usize, chunk_bytes: u64) -> Result<()> {
-        assert_eq!(out.len() as u64, self.file_size(), "serialize_into: wrong output size");
+        assert_eq!(
+            out.len() as u64,
+            self.file_size(),
+            "serialize_into: wrong output size"
+        );
         let (head, data) = out.split_at_mut(self.header.len());
         head.copy_from_slice(&self.header);
         let chunks: Vec<Mutex<Option<&mut [u8]>>> = data
@@ -135,7 +142,11 @@ impl<'a> FileLayout<'a> {
             .map(|c| Mutex::new(Some(c)))
             .collect();
         pool::run::<(), _>(threads, chunks.len(), None, |_, k| {
-            let chunk = chunks[k].lock().expect("chunk lock").take().expect("each chunk once");
+            let chunk = chunks[k]
+                .lock()
+                .expect("chunk lock")
+                .take()
+                .expect("each chunk once");
             self.fill(self.chunk_range(k, chunk_bytes), chunk);
             Ok(())
         })?;

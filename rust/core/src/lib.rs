@@ -8,6 +8,7 @@
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
 //! - [`commit`]: put a staging folder in place atomically.
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod commit;
 pub mod dtype;

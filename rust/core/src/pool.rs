@@ -10,7 +10,9 @@ use crate::error::{Error, Result};
 
 /// The default number of workers: min(8, cores).
 pub fn default_threads() -> usize {
-    thread::available_parallelism().map_or(1, |n| n.get()).min(8)
+    thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8)
 }
 
 /// `threads`, or the default when 0.
@@ -61,7 +63,9 @@ where
             }
             if !did_work {
                 did_work = true;
-                used.lock().expect("pool lock").insert(thread::current().id());
+                used.lock()
+                    .expect("pool lock")
+                    .insert(thread::current().id());
                 if let Some(b) = start_barrier {
                     b.wait();
                 }
@@ -131,7 +135,12 @@ mod tests {
 
     #[test]
     fn no_jobs_no_threads() {
-        assert_eq!(run::<(), _>(4, 0, None, |_, _| Ok(())).unwrap().threads_used, 0);
+        assert_eq!(
+            run::<(), _>(4, 0, None, |_, _| Ok(()))
+                .unwrap()
+                .threads_used,
+            0
+        );
         assert_eq!(resolve_threads(3), 3);
         assert!(resolve_threads(0) >= 1 && resolve_threads(0) <= 8);
     }

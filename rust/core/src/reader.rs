@@ -15,6 +15,9 @@ use crate::error::{Error, IoContext, Result};
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
 
+/// One positional read: (file offset, destination, index of the tensor's name).
+type ReadJob<'a> = (u64, &'a mut [u8], usize);
+
 /// An opened, validated safetensors file with a private writable mapping of the whole file.
 #[derive(Debug)]
 pub struct SafetensorsFile {
@@ -50,7 +53,8 @@ impl SafetensorsFile {
             .at(path, "reading the header length of")?;
         let n = header::header_len(&prefix[..got], file_size, &label)?;
         let mut json = vec![0u8; n as usize];
-        file.read_exact_at(&mut json, 8).at(path, "reading the header of")?;
+        file.read_exact_at(&mut json, 8)
+            .at(path, "reading the header of")?;
         let header = header::parse(&json, file_size, &label)?;
         // SAFETY: a private (copy-on-write) mapping: writes through it never reach the file. The file can
         // still be changed by others under the mapping (as with any mmap); fastckpt writes files through a
@@ -144,12 +148,22 @@ impl SafetensorsFile {
         chunk_bytes: u64,
     ) -> Result<()> {
         if chunk_bytes == 0 {
-            return Err(Error::InvalidArgument("chunk_bytes must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "chunk_bytes must be at least 1".into(),
+            ));
         }
-        let file = self.file.lock().expect("file lock").clone().ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: read_into on a closed file", self.path.display()))
-        })?;
-        let mut jobs: Vec<Mutex<Option<(u64, &mut [u8], usize)>>> = Vec::new();
+        let file = self
+            .file
+            .lock()
+            .expect("file lock")
+            .clone()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{}: read_into on a closed file",
+                    self.path.display()
+                ))
+            })?;
+        let mut jobs: Vec<Mutex<Option<ReadJob<'_>>>> = Vec::new();
         let mut names = Vec::with_capacity(targets.len());
         for (name, buf) in targets {
             let info = self.tensor(&name)?;
@@ -165,12 +179,20 @@ impl SafetensorsFile {
             }
             let start = self.header.data_start + info.begin;
             for (k, piece) in buf.chunks_mut(chunk_bytes as usize).enumerate() {
-                jobs.push(Mutex::new(Some((start + k as u64 * chunk_bytes, piece, names.len()))));
+                jobs.push(Mutex::new(Some((
+                    start + k as u64 * chunk_bytes,
+                    piece,
+                    names.len(),
+                ))));
             }
             names.push(name);
         }
         pool::run::<(), _>(threads, jobs.len(), None, |_, j| {
-            let (offset, piece, t) = jobs[j].lock().expect("job lock").take().expect("each job once");
+            let (offset, piece, t) = jobs[j]
+                .lock()
+                .expect("job lock")
+                .take()
+                .expect("each job once");
             file.read_exact_at(piece, offset).map_err(|e| {
                 if e.kind() == std::io::ErrorKind::UnexpectedEof {
                     Error::Truncated {

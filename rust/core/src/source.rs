@@ -1,7 +1,7 @@
 //! Tensor sources on the write side: a tensor's bytes inside a caller's buffer, contiguous or strided. Every
 //! access is bounds-checked once, up front; strided tensors are gathered in logical row-major order on demand.
 
-use crate::dtype::{numel, Dtype};
+use crate::dtype::{numel, ByteSize, Dtype};
 use crate::error::{Error, Result};
 use crate::header::METADATA_KEY;
 
@@ -75,16 +75,16 @@ impl<'a> TensorSource<'a> {
         let n = numel(&self.shape)
             .ok_or_else(|| invalid(format!("shape {:?} overflows", self.shape)))?;
         let nbytes = match self.dtype.bytes_for(n) {
-            Ok(Some(b)) => b,
-            Ok(None) => {
+            ByteSize::Exact(b) => b,
+            ByteSize::NotWhole => {
                 return Err(Error::Dtype(format!(
-                    "tensor {name:?}: shape {:?} of {} is {n} x {} bits, not a whole number of bytes",
-                    self.shape,
-                    self.dtype,
-                    self.dtype.bits()
-                )))
+                "tensor {name:?}: shape {:?} of {} is {n} x {} bits, not a whole number of bytes",
+                self.shape,
+                self.dtype,
+                self.dtype.bits()
+            )))
             }
-            Err(()) => return Err(invalid(format!("shape {:?} overflows", self.shape))),
+            ByteSize::Overflow => return Err(invalid(format!("shape {:?} overflows", self.shape))),
         };
         let len = self.data.len() as u64;
         if self.byte_offset > len {
@@ -194,7 +194,10 @@ impl CheckedSource<'_> {
     /// Copy the tensor's logical bytes `[start, start + out.len())` (row-major order) into `out`.
     /// Panics if the range is outside `0..nbytes` (callers plan ranges from `nbytes`).
     pub fn gather(&self, start: u64, out: &mut [u8]) {
-        assert!(start + out.len() as u64 <= self.nbytes, "gather past the tensor's end");
+        assert!(
+            start + out.len() as u64 <= self.nbytes,
+            "gather past the tensor's end"
+        );
         match &self.layout {
             Layout::Contiguous(bytes) => {
                 out.copy_from_slice(&bytes[start as usize..start as usize + out.len()]);
@@ -235,7 +238,14 @@ fn gather_strided(base: &[u8], item: u64, dims: &[(u64, u64)], start: u64, out: 
 
 /// Fill `dst` with the row's logical bytes from `in_row` on, where element `e` of the row is at
 /// `row_at + e * stride` in `base`. Partial elements at either end are copied byte-exactly.
-fn gather_row(base: &[u8], row_at: usize, stride: usize, item: usize, in_row: usize, dst: &mut [u8]) {
+fn gather_row(
+    base: &[u8],
+    row_at: usize,
+    stride: usize,
+    item: usize,
+    in_row: usize,
+    dst: &mut [u8],
+) {
     let mut p = in_row;
     let mut w = 0;
     let stop = in_row + dst.len();

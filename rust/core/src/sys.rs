@@ -42,7 +42,10 @@ pub fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> i
             return Err(e);
         }
         if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote 0 bytes"));
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote 0 bytes",
+            ));
         }
         let mut n = n as usize;
         offset += n as u64;
@@ -124,7 +127,9 @@ mod tests {
             .truncate(true)
             .open(dir.path().join("v"))
             .unwrap();
-        let parts: Vec<Vec<u8>> = (0..3000u32).map(|i| vec![(i % 251) as u8; (i % 5) as usize]).collect();
+        let parts: Vec<Vec<u8>> = (0..3000u32)
+            .map(|i| vec![(i % 251) as u8; (i % 5) as usize])
+            .collect();
         let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
         write_all_vectored_at(&f, &refs, 3).unwrap();
         let want: Vec<u8> = parts.concat();

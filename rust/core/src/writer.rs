@@ -88,12 +88,20 @@ pub fn write_file(
 /// fails, every temp file is removed and no target is touched (renames happen only after all data is written).
 pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteStats> {
     if opts.chunk_bytes == 0 {
-        return Err(Error::InvalidArgument("chunk_bytes must be at least 1".into()));
+        return Err(Error::InvalidArgument(
+            "chunk_bytes must be at least 1".into(),
+        ));
     }
     let chunk = opts.chunk_bytes;
     let layouts = jobs
         .iter()
-        .map(|j| FileLayout::plan(&j.tensors, j.metadata.as_deref(), &j.path.display().to_string()))
+        .map(|j| {
+            FileLayout::plan(
+                &j.tensors,
+                j.metadata.as_deref(),
+                &j.path.display().to_string(),
+            )
+        })
         .collect::<Result<Vec<_>>>()?;
     let mut temps = Vec::with_capacity(jobs.len());
     for (job, layout) in jobs.iter().zip(&layouts) {
@@ -154,8 +162,13 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 }
             })
             .collect();
-        sys::write_all_vectored_at(&temp.file, &parts, file_offset)
-            .at(&temp.path, &format!("writing {} bytes at offset {file_offset}", range_len(&parts)))
+        sys::write_all_vectored_at(&temp.file, &parts, file_offset).at(
+            &temp.path,
+            &format!(
+                "writing {} bytes at offset {file_offset}",
+                range_len(&parts)
+            ),
+        )
     })?;
     if opts.durable {
         pool::run::<(), _>(opts.threads, temps.len(), None, |_, i| {

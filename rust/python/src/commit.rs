@@ -10,7 +10,12 @@ use crate::errors::to_py;
 /// renameat2(RENAME_EXCHANGE) and removal of the old tree; fsync the parent folder when `durable`.
 #[pyfunction]
 #[pyo3(signature = (staging, target, *, durable = true))]
-pub fn commit_dir(py: Python<'_>, staging: PathBuf, target: PathBuf, durable: bool) -> PyResult<()> {
+pub fn commit_dir(
+    py: Python<'_>,
+    staging: PathBuf,
+    target: PathBuf,
+    durable: bool,
+) -> PyResult<()> {
     py.detach(|| fastckpt_core::commit_dir(&staging, &target, durable))
         .map_err(to_py)
 }

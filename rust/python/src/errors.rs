@@ -16,7 +16,12 @@ static INTEGRITY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// Raise `class_name` from `fastckpt.errors` with `message`; if that module cannot be imported, the import
 /// error is raised instead (it names what is missing).
-fn raise(py: Python<'_>, cell: &PyOnceLock<Py<PyType>>, class_name: &str, message: String) -> PyErr {
+fn raise(
+    py: Python<'_>,
+    cell: &PyOnceLock<Py<PyType>>,
+    class_name: &str,
+    message: String,
+) -> PyErr {
     match cell.import(py, "fastckpt.errors", class_name) {
         Ok(cls) => PyErr::from_type(cls.clone(), message),
         Err(import_error) => import_error,
@@ -46,7 +51,11 @@ pub fn to_py(err: Error) -> PyErr {
                         .strip_suffix(&format!(" (os error {errno})"))
                         .unwrap_or(&strerror)
                         .to_string();
-                    PyOSError::new_err((errno, format!("{context}: {strerror}"), path.into_os_string()))
+                    PyOSError::new_err((
+                        errno,
+                        format!("{context}: {strerror}"),
+                        path.into_os_string(),
+                    ))
                 }
                 None => PyOSError::new_err(message),
             },

@@ -1,5 +1,6 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, serialize), read (SafetensorsFile, parse_header), commit.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod commit;
 mod errors;

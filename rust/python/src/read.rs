@@ -20,7 +20,15 @@ type TensorTuple = (String, &'static str, Vec<u64>, u64, u64);
 fn tensor_tuples(tensors: &[TensorInfo]) -> Vec<TensorTuple> {
     tensors
         .iter()
-        .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.begin, t.end))
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dtype.name(),
+                t.shape.clone(),
+                t.begin,
+                t.end,
+            )
+        })
         .collect()
 }
 
@@ -87,7 +95,12 @@ impl SafetensorsFile {
     /// Fill each `(name, buffer)` target (writable, C-contiguous, exactly the tensor's size) with the
     /// tensor's bytes by parallel positional reads, GIL released.
     #[pyo3(signature = (targets, *, threads = 0))]
-    fn read_into(&self, py: Python<'_>, targets: &Bound<'_, PyList>, threads: usize) -> PyResult<()> {
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        targets: &Bound<'_, PyList>,
+        threads: usize,
+    ) -> PyResult<()> {
         let mut held: Vec<(String, PyUntypedBuffer)> = Vec::with_capacity(targets.len());
         for item in targets.iter() {
             let (name, obj): (String, Bound<'_, PyAny>) = item.extract()?;
@@ -100,38 +113,38 @@ impl SafetensorsFile {
             }
             held.push((name, buf));
         }
-        let mut spans: Vec<(usize, usize, &str)> = held
+        // Targets may alias (a float buffer and its int view share storage): read them in rounds, so that no
+        // two overlapping targets are ever filled at once; a later target in the list is filled later.
+        let spans: Vec<(usize, usize)> = held
             .iter()
-            .map(|(n, b)| (b.buf_ptr() as usize, b.len_bytes(), n.as_str()))
-            .filter(|s| s.1 > 0)
+            .map(|(_, b)| (b.buf_ptr() as usize, b.len_bytes()))
             .collect();
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            if w[0].0 + w[0].1 > w[1].0 {
-                return Err(PyValueError::new_err(format!(
-                    "{}: the target buffers for tensors {:?} and {:?} overlap",
-                    self.inner.path().display(),
-                    w[0].2,
-                    w[1].2
-                )));
+        let rounds = overlap_rounds(&spans);
+        let last_round = rounds.iter().copied().max().unwrap_or(0);
+        let names: Vec<&str> = held.iter().map(|(n, _)| n.as_str()).collect();
+        py.detach(|| {
+            for round in 0..=last_round {
+                let targets: Vec<(String, &mut [u8])> = (0..spans.len())
+                    .filter(|&i| rounds[i] == round)
+                    .map(|i| {
+                        let (addr, len) = spans[i];
+                        let ptr = NonNull::new(addr as *mut u8)
+                            .filter(|_| len > 0)
+                            .unwrap_or(NonNull::dangling());
+                        // SAFETY: each buffer is exported (held in `held` until this call returns), writable
+                        // and C-contiguous; targets of one round never overlap (overlap_rounds), and each
+                        // round's slices are dropped before the next round's are made. Zero lengths use a
+                        // dangling, aligned pointer.
+                        let slice = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+                        (names[i].to_string(), slice)
+                    })
+                    .collect();
+                self.inner
+                    .read_into(targets, threads, DEFAULT_CHUNK_BYTES)?;
             }
-        }
-        let targets: Vec<(String, &mut [u8])> = held
-            .iter()
-            .map(|(name, b)| {
-                let len = b.len_bytes();
-                let ptr = NonNull::new(b.buf_ptr().cast::<u8>())
-                    .filter(|_| len > 0)
-                    .unwrap_or(NonNull::dangling());
-                // SAFETY: each buffer is exported (held in `held` until this call returns), writable and
-                // C-contiguous, and no two targets overlap (checked above), so these are disjoint, valid
-                // mutable slices. Zero lengths use a dangling, aligned pointer.
-                let slice = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
-                (name.clone(), slice)
-            })
-            .collect();
-        py.detach(|| self.inner.read_into(targets, threads, DEFAULT_CHUNK_BYTES))
-            .map_err(to_py)
+            Ok(())
+        })
+        .map_err(to_py)
     }
 
     /// Drop the file handle; the mapping (and every view of it) stays valid.
@@ -150,6 +163,7 @@ impl SafetensorsFile {
 
     /// The whole private mapping as a writable 1-D unsigned-byte buffer; every view keeps this object (and so
     /// the mapping) alive.
+    // SAFETY: (contract) the interpreter calls this with a valid, writable `Py_buffer` to fill.
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
@@ -179,7 +193,28 @@ impl SafetensorsFile {
     }
 
     /// Nothing to free per view: the mapping lives as long as the object.
+    // SAFETY: (contract) the interpreter calls this once per view filled by `__getbuffer__`; it touches nothing.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// For each `(address, length)` span, the round it is read in: 0 unless it overlaps an earlier span, then one
+/// more than the latest round of the earlier spans it overlaps. Spans of one round never overlap.
+fn overlap_rounds(spans: &[(usize, usize)]) -> Vec<usize> {
+    let mut by_start: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].1 > 0).collect();
+    by_start.sort_unstable_by_key(|&i| spans[i].0);
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    let mut open: Vec<usize> = Vec::new();
+    for &i in &by_start {
+        open.retain(|&j| spans[j].0 + spans[j].1 > spans[i].0);
+        pairs.extend(open.iter().map(|&j| (j.min(i), j.max(i))));
+        open.push(i);
+    }
+    pairs.sort_unstable_by_key(|&(_, later)| later);
+    let mut rounds = vec![0; spans.len()];
+    for (earlier, later) in pairs {
+        rounds[later] = rounds[later].max(rounds[earlier] + 1);
+    }
+    rounds
 }
 
 /// Validate a whole in-memory file; returns `(metadata, tensors, data_start)`.
@@ -190,7 +225,9 @@ pub fn parse_header<'py>(
 ) -> PyResult<(Option<Bound<'py, PyDict>>, Vec<TensorTuple>, u64)> {
     let buf = PyUntypedBuffer::get(data)?;
     if !buf.is_c_contiguous() {
-        return Err(PyValueError::new_err("parse_header needs a C-contiguous buffer"));
+        return Err(PyValueError::new_err(
+            "parse_header needs a C-contiguous buffer",
+        ));
     }
     let len = buf.len_bytes();
     let ptr = NonNull::new(buf.buf_ptr().cast::<u8>())
@@ -207,4 +244,18 @@ pub fn parse_header<'py>(
         tensor_tuples(&header.tensors),
         header.data_start,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overlap_rounds;
+
+    #[test]
+    fn rounds_separate_overlapping_spans_in_list_order() {
+        // 0: [0,10)  1: [20,30)  2: [5,15) overlaps 0  3: [8,9) overlaps 0 and 2  4: empty  5: [29,40) overlaps 1
+        let spans = [(0, 10), (20, 10), (5, 10), (8, 1), (3, 0), (29, 11)];
+        assert_eq!(overlap_rounds(&spans), [0, 0, 1, 2, 0, 1]);
+        assert_eq!(overlap_rounds(&[(0, 4), (4, 4)]), [0, 0]);
+        assert_eq!(overlap_rounds(&[]), Vec::<usize>::new());
+    }
 }

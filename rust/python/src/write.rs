@@ -22,6 +22,9 @@ type SourceTuple<'py> = (
     Option<Vec<i64>>,
 );
 
+/// `(path, tensors, metadata)`: one file of `write_files`.
+type JobTuple<'py> = (PathBuf, Bound<'py, PyAny>, Option<Vec<(String, String)>>);
+
 /// A tensor source whose Python buffer is held (exported) for as long as this lives.
 pub struct HeldSource {
     name: String,
@@ -37,7 +40,11 @@ fn non_negative(values: &[i64], what: &str, name: &str) -> PyResult<Vec<u64>> {
         .iter()
         .map(|&v| u64::try_from(v))
         .collect::<Result<_, _>>()
-        .map_err(|_| PyValueError::new_err(format!("tensor {name:?}: {what} {values:?} has a negative entry")))
+        .map_err(|_| {
+            PyValueError::new_err(format!(
+                "tensor {name:?}: {what} {values:?} has a negative entry"
+            ))
+        })
 }
 
 impl HeldSource {
@@ -102,13 +109,12 @@ fn options(durable: bool, threads: usize, chunk_bytes: u64) -> WriteOptions {
         durable,
         threads,
         chunk_bytes,
-        ..WriteOptions::default()
     }
 }
 
 /// Write one safetensors file; returns its size in bytes. See `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata, *, durable = true, threads = 0, chunk_bytes = DEFAULT_CHUNK_BYTES))]
+#[pyo3(signature = (path, tensors, metadata, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
 pub fn write_file(
     py: Python<'_>,
     path: PathBuf,
@@ -129,7 +135,7 @@ pub fn write_file(
 
 /// Write several files in one parallel pass; returns each file's size. See `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = DEFAULT_CHUNK_BYTES))]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
 pub fn write_files(
     py: Python<'_>,
     jobs: &Bound<'_, PyAny>,
@@ -139,8 +145,7 @@ pub fn write_files(
 ) -> PyResult<Vec<u64>> {
     let mut held = Vec::new();
     for job in jobs.try_iter()? {
-        let (path, tensors, metadata): (PathBuf, Bound<'_, PyAny>, Option<Vec<(String, String)>>) =
-            job?.extract()?;
+        let (path, tensors, metadata): JobTuple<'_> = job?.extract()?;
         let sources = extract_sources(&tensors, &path.display().to_string())?;
         held.push((path, sources, metadata));
     }
