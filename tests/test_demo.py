@@ -74,6 +74,25 @@ def test_run_demo_keep_writes_each_checkpoint(tmp_path):
         demo.run_demo("tiny", steps=1, out_dir=tmp_path, stream=io.StringIO())
 
 
+def test_demo_keep_refuses_a_used_folder(tmp_path, capsys):
+    (tmp_path / "fastckpt_full").mkdir()
+    assert main(["demo", "--size", "tiny", "--keep", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "fastckpt_full already exists" in captured.err
+    assert captured.out == ""  # refused before training
+
+
+def test_demo_reports_a_raising_save_and_runs_the_other_rows(monkeypatch, capsys):
+    def broken_save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fastckpt, "save_state", broken_save)
+    assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH fastckpt full: save raised OSError: [Errno 28] No space left on device" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith(tuple(ROWS))] == ["no", "no", "yes"]
+
+
 def test_demo_exits_nonzero_when_a_load_restores_nothing(monkeypatch, capsys):
     monkeypatch.setattr(fastckpt, "load_state", lambda *args, **kwargs: None)
     assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1

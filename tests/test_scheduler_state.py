@@ -123,7 +123,7 @@ def test_c21_scheduler_holding_numpy_scalars(tmp_path):
         return opt, LS.ExponentialLR(opt, gamma=np.float64(0.7))
 
     _, fsched = _assert_scheduler_round_trip(tmp_path, build, before=3, after=5)
-    assert fsched.gamma == np.float64(0.7)
+    assert fsched.gamma == np.float64(0.7) and type(fsched.gamma) is np.float64  # numpy scalar type kept
 
 
 def test_c22_lambda_lr_with_a_lambda(tmp_path):

@@ -54,6 +54,8 @@ def encode(value: Any, *, path: str = "state", tensor_sink: TensorSink | None = 
     Raises:
         TypeError: an object JSON cannot hold without pickle (names its path and type).
     """
+    if isinstance(value, np.generic):  # before float: np.float64 subclasses float
+        return {"__numpy__": [value.dtype.str, encode(value.item(), path=path)]}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
@@ -71,8 +73,6 @@ def encode(value: Any, *, path: str = "state", tensor_sink: TensorSink | None = 
     if isinstance(value, np.ndarray):
         arr = np.ascontiguousarray(value)
         return {"__ndarray__": [arr.dtype.str, list(arr.shape), _b64(arr.tobytes())]}
-    if isinstance(value, np.generic):
-        return {"__numpy__": [value.dtype.str, encode(value.item(), path=path)]}
     if isinstance(value, torch.dtype):
         return {"__torch_dtype__": str(value).removeprefix("torch.")}
     if isinstance(value, (bytes, bytearray)):

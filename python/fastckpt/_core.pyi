@@ -9,26 +9,29 @@ Source buffers are read with the GIL released: do not resize or write to them wh
 """
 
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TypeAlias, final
 
 from typing_extensions import Buffer
 
+__all__ = ["SafetensorsFile", "commit_dir", "parse_header", "serialize", "write_file", "write_files"]
+
 #: ``(name, dtype, shape, buffer, byte_offset, byte_strides)``: a tensor of safetensors dtype ``dtype``
 #: (``"F32"``, ``"BF16"``, ``"F4"``, ...) and logical ``shape`` whose first element is at ``byte_offset`` bytes
 #: in ``buffer`` (any C-contiguous buffer, e.g. a uint8 numpy view of the tensor's whole storage).
 #: ``byte_strides`` (bytes, >= 0) or ``None`` for C-contiguous; sub-byte dtypes (F4, F6_*) must be contiguous.
-TensorSource: TypeAlias = tuple[str, str, Sequence[int], Buffer, int, Sequence[int] | None]
+_TensorSource: TypeAlias = tuple[str, str, Sequence[int], Buffer, int, Sequence[int] | None]
 #: ``(name, dtype, shape, begin, end)``; begin/end are byte offsets relative to the data section.
-TensorEntry: TypeAlias = tuple[str, str, list[int], int, int]
+_TensorEntry: TypeAlias = tuple[str, str, list[int], int, int]
 #: ``__metadata__`` as ordered pairs; ``None`` writes no ``__metadata__`` key, ``[]`` writes ``{}``.
-Metadata: TypeAlias = Sequence[tuple[str, str]] | None
-StrPath: TypeAlias = str | os.PathLike[str]
+_Metadata: TypeAlias = Sequence[tuple[str, str]] | None
+_StrPath: TypeAlias = str | os.PathLike[str]
 
 def write_file(
-    path: StrPath,
-    tensors: Iterable[TensorSource],
-    metadata: Metadata,
+    path: _StrPath,
+    tensors: Iterable[_TensorSource],
+    metadata: _Metadata,
     *,
     durable: bool = True,
     threads: int = 0,
@@ -54,7 +57,7 @@ def write_file(
     """
 
 def write_files(
-    jobs: Iterable[tuple[StrPath, Iterable[TensorSource], Metadata]],
+    jobs: Iterable[tuple[_StrPath, Iterable[_TensorSource], _Metadata]],
     *,
     durable: bool = True,
     threads: int = 0,
@@ -66,10 +69,10 @@ def write_files(
     Raises as :func:`write_file`.
     """
 
-def serialize(tensors: Iterable[TensorSource], metadata: Metadata) -> bytes:
+def serialize(tensors: Iterable[_TensorSource], metadata: _Metadata) -> bytes:
     """The exact bytes :func:`write_file` would write, in memory. Raises as :func:`write_file`, less OSError."""
 
-def parse_header(data: Buffer) -> tuple[dict[str, str] | None, list[TensorEntry], int]:
+def parse_header(data: Buffer) -> tuple[dict[str, str] | None, list[_TensorEntry], int]:
     """Validate a whole in-memory safetensors file.
 
     Returns:
@@ -79,7 +82,7 @@ def parse_header(data: Buffer) -> tuple[dict[str, str] | None, list[TensorEntry]
         HeaderError, TruncatedFileError, DtypeError: see docs/CORE_API.md's validation rules.
     """
 
-def commit_dir(staging: StrPath, target: StrPath, *, durable: bool = True) -> None:
+def commit_dir(staging: _StrPath, target: _StrPath, *, durable: bool = True) -> None:
     """Put the finished folder ``staging`` at ``target`` in one step.
 
     A rename when ``target`` does not exist; otherwise ``renameat2(RENAME_EXCHANGE)`` and removal of the old
@@ -98,7 +101,7 @@ class SafetensorsFile:
         >>> raw = memoryview(f)[f.data_start + begin : f.data_start + end]
     """
 
-    def __init__(self, path: StrPath) -> None:
+    def __new__(cls, path: _StrPath) -> SafetensorsFile:
         """Open and fully validate ``path``.
 
         Raises:
@@ -120,7 +123,7 @@ class SafetensorsFile:
     def metadata(self) -> dict[str, str] | None:
         """``__metadata__`` (file order), or None when absent."""
 
-    def tensors(self) -> list[TensorEntry]:
+    def tensors(self) -> list[_TensorEntry]:
         """``(name, dtype, shape, begin, end)`` in file (offset) order."""
 
     def read_into(self, targets: Sequence[tuple[str, Buffer]], *, threads: int = 0) -> None:
@@ -137,5 +140,6 @@ class SafetensorsFile:
     def close(self) -> None:
         """Drop the file handle; the mapping and every view of it stay valid."""
 
-    def __buffer__(self, flags: int, /) -> memoryview: ...
-    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    if sys.version_info >= (3, 12):
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+        def __release_buffer__(self, buffer: memoryview, /) -> None: ...

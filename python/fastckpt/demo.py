@@ -351,6 +351,13 @@ def run_demo(
 
     out = stream or sys.stdout
     started = time.perf_counter()
+    methods = _methods(fastckpt, step=steps, threads=threads)
+    if not _accelerate_installed():
+        print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
+        methods.pop("accelerate")
+    taken = [pathlib.Path(out_dir, _folder(name)) for name in methods if out_dir is not None]
+    if any(path.exists() for path in taken):
+        raise FileExistsError(f"{next(p for p in taken if p.exists())} already exists; pick an empty --keep folder")
     model, optimizer, scheduler = build_training(size, seed)
     params = num_parameters(model)
     print(
@@ -360,27 +367,25 @@ def run_demo(
     print("losses: " + ", ".join(f"{loss:.3f}" for loss in losses), file=out)
 
     root = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="fastckpt-demo-"))
-    methods = _methods(fastckpt, step=steps, threads=threads)
-    if not _accelerate_installed():
-        print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
-        methods.pop("accelerate")
-    for name in methods:
-        if (root / _folder(name)).exists():
-            raise FileExistsError(f"{root / _folder(name)} already exists; pick an empty --keep folder")
     trained = (model, optimizer, scheduler)
     rows = []
     try:
         for name, (save, load) in methods.items():
             path = root / _folder(name)
-            save_s = save(trained, path)
-            draws = draw_random()
-            fresh = build_training(size, seed + 1)
-            if cold_cache:
-                drop_page_cache(path)
-            load_s = load(fresh, path)
-            problems = verify(trained, fresh, full=name != "fastckpt model_only", draws_after_save=draws)
-            rows.append(DemoRow(name, path, dir_bytes(path), save_s, load_s, problems))
-            del fresh
+            save_s = load_s = math.nan
+            try:
+                save_s = save(trained, path)
+                draws = draw_random()
+                fresh = build_training(size, seed + 1)
+                if cold_cache:
+                    drop_page_cache(path)
+                load_s = load(fresh, path)
+                problems = verify(trained, fresh, full=name != "fastckpt model_only", draws_after_save=draws)
+                del fresh
+            except Exception as exc:  # noqa: BLE001 -- a failing row is reported in the table, the others still run
+                stage = "save" if math.isnan(save_s) else "load"
+                problems = [f"{stage} raised {type(exc).__name__}: {exc}"]
+            rows.append(DemoRow(name, path, dir_bytes(path) if path.exists() else 0, save_s, load_s, problems))
     finally:
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -398,9 +403,13 @@ def run_demo(
     return result
 
 
+def _number(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else spec.format(value)
+
+
 def format_table(rows: list[DemoRow]) -> str:
     """The demo's table as aligned plain text: size (MB = 1e6 bytes), seconds, GB/s (1e9 bytes/s), speedup."""
-    baseline = next((row.save_s for row in rows if row.name == "accelerate"), None)
+    baseline = next((row.save_s for row in rows if row.name == "accelerate" and not math.isnan(row.save_s)), None)
     header = ["checkpoint", "MB written", "save s", "load s", "save GB/s", "load GB/s", "save speedup", "verified"]
     lines = [header]
     for row in rows:
@@ -408,11 +417,11 @@ def format_table(rows: list[DemoRow]) -> str:
             [
                 row.name,
                 f"{row.bytes_written / 1e6:,.1f}",
-                f"{row.save_s:.3f}",
-                f"{row.load_s:.3f}",
-                f"{row.bytes_written / 1e9 / row.save_s:.2f}" if row.save_s else "-",
-                f"{row.bytes_written / 1e9 / row.load_s:.2f}" if row.load_s else "-",
-                f"{baseline / row.save_s:.2f}x" if baseline and row.save_s else "n/a",
+                _number(row.save_s, "{:.3f}"),
+                _number(row.load_s, "{:.3f}"),
+                _number(row.bytes_written / 1e9 / row.save_s if row.save_s else math.nan, "{:.2f}"),
+                _number(row.bytes_written / 1e9 / row.load_s if row.load_s else math.nan, "{:.2f}"),
+                _number(baseline / row.save_s if baseline and row.save_s else math.nan, "{:.2f}x"),
                 "yes" if row.verified else "no",
             ]
         )
@@ -456,5 +465,9 @@ def _count(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed flags; exit status 0 when every checkpoint verified, 1 otherwise."""
-    result = run_demo(args.size, args.steps, args.keep, threads=args.threads, cold_cache=not args.warm_cache)
+    try:
+        result = run_demo(args.size, args.steps, args.keep, threads=args.threads, cold_cache=not args.warm_cache)
+    except FileExistsError as exc:
+        print(f"fastckpt demo: error: {exc}", file=sys.stderr)
+        return 2
     return 0 if result.ok else 1

@@ -93,6 +93,13 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
         ));
     }
     let chunk = opts.chunk_bytes;
+    let mut targets = std::collections::HashSet::with_capacity(jobs.len());
+    if let Some(dup) = jobs.iter().find(|j| !targets.insert(j.path.as_path())) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: the same target path is given to two files",
+            dup.path.display()
+        )));
+    }
     let layouts = jobs
         .iter()
         .map(|j| {

@@ -163,3 +163,16 @@ fn zero_chunk_bytes_is_rejected() {
     let e = write_file(&dir.path().join("z"), vec![], None, &opts(1, 0)).unwrap_err();
     assert_eq!(e.kind(), "InvalidArgument");
 }
+
+#[test]
+fn the_same_target_twice_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = FileJob {
+        path: dir.path().join("x"),
+        tensors: vec![],
+        metadata: None,
+    };
+    let e = write_files(&[job.clone(), job], &opts(1, 8)).unwrap_err();
+    assert_eq!(e.kind(), "InvalidArgument");
+    assert_eq!(listing(dir.path()), Vec::<String>::new());
+}
