@@ -54,7 +54,7 @@ def test_demo_tiny_verifies_all_three_checkpoints(capsys):
     rows = [line for line in out.splitlines() if line.startswith(tuple(name + "  " for name in ROWS))]
     assert [row[: len(name)] for row, name in zip(rows, ROWS)] == ROWS, out
     assert all(row.split()[-1] == "yes" for row in rows), out
-    assert "MISMATCH" not in out
+    assert "FAILED" not in out
 
 
 def test_run_demo_keep_writes_each_checkpoint(tmp_path):
@@ -89,7 +89,7 @@ def test_demo_reports_a_raising_save_and_runs_the_other_rows(monkeypatch, capsys
     monkeypatch.setattr(fastckpt, "save_state", broken_save)
     assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
     out = capsys.readouterr().out
-    assert "MISMATCH fastckpt full: save raised OSError: [Errno 28] No space left on device" in out
+    assert "FAILED fastckpt full: save raised OSError: [Errno 28] No space left on device" in out
     assert [line.split()[-1] for line in out.splitlines() if line.startswith(tuple(ROWS))] == ["no", "no", "yes"]
 
 
@@ -97,8 +97,8 @@ def test_demo_exits_nonzero_when_a_load_restores_nothing(monkeypatch, capsys):
     monkeypatch.setattr(fastckpt, "load_state", lambda *args, **kwargs: None)
     assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
     out = capsys.readouterr().out
-    assert "MISMATCH fastckpt full: model.transformer.wte.weight: tensor values differ" in out
-    assert "MISMATCH accelerate" not in out
+    assert "FAILED fastckpt full: model.transformer.wte.weight: tensor values differ" in out
+    assert "FAILED accelerate" not in out
 
 
 def test_diff_is_type_strict():

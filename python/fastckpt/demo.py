@@ -361,7 +361,8 @@ def run_demo(
     model, optimizer, scheduler = build_training(size, seed)
     params = num_parameters(model)
     print(
-        f"GPT-2 {size}: {params:,} parameters; training {steps} steps of {batch_size} x {seq_len} byte tokens", file=out
+        f"GPT-2 {size}: {params:,} parameters; {steps} training step(s) of {batch_size} x {seq_len} byte tokens",
+        file=out,
     )
     losses = train(model, optimizer, scheduler, steps, batch_size, seq_len, seed)
     print("losses: " + ", ".join(f"{loss:.3f}" for loss in losses), file=out)
@@ -397,7 +398,7 @@ def run_demo(
     print(f"save speedup: accelerate's save s / the row's save s; load: from {cache}", file=out)
     for row in rows:
         for problem in row.problems[:10]:
-            print(f"MISMATCH {row.name}: {problem}", file=out)
+            print(f"FAILED {row.name}: {problem}", file=out)
     where = f"kept in {root}" if out_dir is not None else "removed"
     print(f"checkpoints {where}; wall time {result.wall_s:.1f} s", file=out)
     return result
