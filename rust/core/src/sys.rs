@@ -79,6 +79,35 @@ pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
     }
 }
 
+/// Open `path` for reading without ever blocking (a FIFO would wait for a writer: `O_NONBLOCK`), and refuse
+/// anything but a regular file: a folder is `EISDIR`, a FIFO, socket or device is `EINVAL` ("not a regular
+/// file"), so a reader never hangs on, or maps, something that is not a file.
+pub fn open_regular(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    if kind.is_dir() {
+        return Err(io::Error::from_raw_os_error(libc::EISDIR));
+    }
+    let what = if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a device"
+    };
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("not a regular file ({what})"),
+    ))
+}
+
 /// fsync a folder, so that a rename or a new entry in it is durable.
 pub fn fsync_dir(dir: &Path) -> io::Result<()> {
     let d = File::open(dir)?;

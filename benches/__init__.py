@@ -1,0 +1,1 @@
+"""pytest-benchmark suites (a package, so its conftest does not shadow tests/conftest.py as `conftest`)."""

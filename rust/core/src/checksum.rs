@@ -1,0 +1,216 @@
+//! crc32c (Castagnoli) checksums, per tensor and per file, from the `crc32c` crate (SSE 4.2 / ARM CRC when the
+//! CPU has them). Every chunk of a file is summed on its own, by whichever thread writes or reads it, split at
+//! tensor boundaries into pieces; the pieces are then folded in file order with `crc32c_combine`, so parallel
+//! chunks never need each other's state. The writer sums the bytes it writes (no second pass);
+//! [`checksum_files`] sums files already on disk (for `verify`), with parallel positional reads, never through
+//! a mapping (a file shrunk under us is an error, not a SIGBUS).
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::error::{Error, IoContext, Result};
+use crate::header::{self, TensorInfo};
+use crate::pool;
+use crate::sys;
+
+/// The crc32c of `data` appended to a running `crc` (0 to start).
+pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc, data)
+}
+
+/// A file's checksums: the whole file (header and data) and each tensor's bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FileChecksums {
+    /// The file size in bytes.
+    pub file_size: u64,
+    /// crc32c of every byte of the file.
+    pub file_crc32c: u32,
+    /// `(name, crc32c of its data bytes)` in file (offset) order; an empty tensor's crc is 0.
+    pub tensors: Vec<(String, u32)>,
+}
+
+/// The crc32c of one run of bytes of a file: `tensor` indexes the file's tensors (offset order); `None` for
+/// bytes of no tensor (the header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PieceCrc {
+    /// The tensor the bytes belong to, if any.
+    pub tensor: Option<usize>,
+    /// Their crc32c.
+    pub crc: u32,
+    /// How many bytes.
+    pub len: u64,
+}
+
+/// Fold `pieces`, given in file order and covering the file from byte 0 without gaps, into the file's
+/// checksums. `names` are the tensors' names in offset order.
+pub fn fold(pieces: impl IntoIterator<Item = PieceCrc>, names: Vec<String>) -> FileChecksums {
+    let mut file = 0u32;
+    let mut size = 0u64;
+    let mut tensors = vec![0u32; names.len()];
+    for p in pieces {
+        file = crc32c::crc32c_combine(file, p.crc, p.len as usize);
+        size += p.len;
+        if let Some(t) = p.tensor {
+            tensors[t] = crc32c::crc32c_combine(tensors[t], p.crc, p.len as usize);
+        }
+    }
+    FileChecksums {
+        file_size: size,
+        file_crc32c: file,
+        tensors: names.into_iter().zip(tensors).collect(),
+    }
+}
+
+/// A file on disk, summed: its checksums, and why its header could not be used when it could not (its
+/// tensors are then unknown, only the whole-file crc32c is computed).
+#[derive(Debug)]
+pub struct FileCheck {
+    /// The path summed.
+    pub path: PathBuf,
+    /// Size, whole-file crc32c, and per-tensor crc32c (empty when `header_error` is set).
+    pub checksums: FileChecksums,
+    /// The header's validation error (HeaderError, TruncatedFileError, DtypeError), if any.
+    pub header_error: Option<Error>,
+}
+
+/// The regions of a file: `(tensor, absolute byte range)`, header first, then each non-empty tensor.
+fn regions(size: u64, header: Option<&header::Header>) -> Vec<(Option<usize>, Range<u64>)> {
+    let Some(h) = header else {
+        return vec![(None, 0..size)];
+    };
+    let mut out = vec![(None, 0..h.data_start)];
+    for (i, t) in h.tensors.iter().enumerate() {
+        if t.end > t.begin {
+            out.push((Some(i), h.data_start + t.begin..h.data_start + t.end));
+        }
+    }
+    out
+}
+
+/// The pieces of `regions` (sorted, adjacent) that `range` covers, as `(tensor, absolute range)`.
+fn split(regions: &[(Option<usize>, Range<u64>)], range: Range<u64>) -> Vec<(Option<usize>, Range<u64>)> {
+    let first = regions.partition_point(|(_, r)| r.end <= range.start);
+    regions[first..]
+        .iter()
+        .take_while(|(_, r)| r.start < range.end)
+        .map(|(t, r)| (*t, r.start.max(range.start)..r.end.min(range.end)))
+        .filter(|(_, r)| r.start < r.end)
+        .collect()
+}
+
+/// One file being summed.
+struct Summing {
+    path: PathBuf,
+    file: File,
+    size: u64,
+    header: std::result::Result<header::Header, Error>,
+    regions: Vec<(Option<usize>, Range<u64>)>,
+}
+
+fn open_for_summing(path: &Path) -> Result<Summing> {
+    let file = sys::open_regular(path).at(path, "opening")?;
+    let size = file.metadata().at(path, "reading the size of")?.len();
+    let header = read_header(&file, size, path);
+    let regions = regions(size, header.as_ref().ok());
+    Ok(Summing {
+        path: path.to_path_buf(),
+        file,
+        size,
+        header,
+        regions,
+    })
+}
+
+/// Read and validate the header of an open file (I/O errors are reported as errors of the header).
+fn read_header(file: &File, size: u64, path: &Path) -> Result<header::Header> {
+    let label = path.display().to_string();
+    let mut prefix = [0u8; 8];
+    let got = (size as usize).min(8);
+    file.read_exact_at(&mut prefix[..got], 0)
+        .at(path, "reading the header length of")?;
+    let n = header::header_len(&prefix[..got], size, &label)?;
+    let mut json = vec![0u8; n as usize];
+    file.read_exact_at(&mut json, 8)
+        .at(path, "reading the header of")?;
+    header::parse(&json, size, &label)
+}
+
+/// Sum every file of `paths` (safetensors files; others get only a whole-file crc32c and a header error) in
+/// one parallel pass of `chunk_bytes` positional reads by `threads` workers (0 = min(8, cores)).
+///
+/// Errors: a file that cannot be opened or read ([`Error::Io`]), or one that shrinks while it is read
+/// ([`Error::Truncated`]). A malformed header is not an error of the call: see [`FileCheck::header_error`].
+pub fn checksum_files(paths: &[PathBuf], threads: usize, chunk_bytes: u64) -> Result<Vec<FileCheck>> {
+    if chunk_bytes == 0 {
+        return Err(Error::InvalidArgument(
+            "chunk_bytes must be at least 1".into(),
+        ));
+    }
+    let files = paths
+        .iter()
+        .map(|p| open_for_summing(p))
+        .collect::<Result<Vec<_>>>()?;
+    let mut first_chunk = vec![0usize];
+    for f in &files {
+        first_chunk.push(first_chunk[first_chunk.len() - 1] + f.size.div_ceil(chunk_bytes) as usize);
+    }
+    let total = first_chunk[files.len()];
+    let results: Vec<OnceLock<Vec<PieceCrc>>> = (0..total).map(|_| OnceLock::new()).collect();
+    pool::run::<Vec<u8>, _>(threads, total, None, |buf, k| {
+        let f = first_chunk.partition_point(|&c| c <= k) - 1;
+        let s = &files[f];
+        let start = (k - first_chunk[f]) as u64 * chunk_bytes;
+        let range = start..(start + chunk_bytes).min(s.size);
+        let len = (range.end - range.start) as usize;
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        s.file
+            .read_exact_at(&mut buf[..len], range.start)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => Error::Truncated {
+                    path: s.path.display().to_string(),
+                    what: "the file (it shrank while it was read)".into(),
+                    expected: range.end,
+                    actual: s.file.metadata().map_or(0, |m| m.len()),
+                },
+                _ => Error::io(&s.path, format!("reading {len} bytes at offset {}", range.start), e),
+            })?;
+        let pieces = split(&s.regions, range.clone())
+            .into_iter()
+            .map(|(tensor, r)| {
+                let at = (r.start - range.start) as usize..(r.end - range.start) as usize;
+                PieceCrc {
+                    tensor,
+                    crc: crc32c::crc32c(&buf[at]),
+                    len: r.end - r.start,
+                }
+            })
+            .collect();
+        results[k].set(pieces).expect("each chunk once");
+        Ok(())
+    })?;
+    let mut results = results.into_iter().map(|r| r.into_inner().unwrap_or_default());
+    let mut out = Vec::with_capacity(files.len());
+    for (f, s) in files.into_iter().enumerate() {
+        let chunks = first_chunk[f + 1] - first_chunk[f];
+        let pieces: Vec<PieceCrc> = results.by_ref().take(chunks).flatten().collect();
+        let (names, header_error) = match s.header {
+            Ok(h) => (h.tensors.into_iter().map(|t: TensorInfo| t.name).collect(), None),
+            Err(e) => (Vec::new(), Some(e)),
+        };
+        out.push(FileCheck {
+            path: s.path,
+            checksums: fold(pieces, names),
+            header_error,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+#[path = "checksum_tests.rs"]
+mod tests;
