@@ -14,7 +14,6 @@ use std::sync::OnceLock;
 use crate::error::{Error, IoContext, Result};
 use crate::header::{self, TensorInfo};
 use crate::pool;
-use crate::sys;
 
 /// The crc32c of `data` appended to a running `crc` (0 to start).
 pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
@@ -111,7 +110,7 @@ struct Summing {
 }
 
 fn open_for_summing(path: &Path) -> Result<Summing> {
-    let file = sys::open_regular(path).at(path, "opening")?;
+    let file = crate::reader::open_file(path)?;
     let size = file.metadata().at(path, "reading the size of")?.len();
     let header = read_header(&file, size, path);
     let regions = regions(size, header.as_ref().ok());

@@ -112,6 +112,39 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_commits_of_one_new_target_both_succeed_and_one_wins_whole() {
+        use std::sync::{Arc, Barrier};
+        let d = tempfile::tempdir().unwrap();
+        for round in 0..50 {
+            let t = d.path().join(format!("ckpt{round}"));
+            let barrier = Arc::new(Barrier::new(2));
+            let handles: Vec<_> = ["a", "b"]
+                .into_iter()
+                .map(|who| {
+                    let s = d.path().join(format!("staging-{who}-{round}"));
+                    tree(&s, &[("who", who), ("sub/part", who)]);
+                    let (t, barrier) = (t.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        let r = commit_dir(&s, &t, false);
+                        (r.map_err(|e| e.to_string()), s.exists())
+                    })
+                })
+                .collect();
+            for h in handles {
+                let (r, staging_left) = h.join().unwrap();
+                assert_eq!(r, Ok(()), "round {round}");
+                assert!(!staging_left, "round {round}: the replaced tree is removed");
+            }
+            let who = fs::read_to_string(t.join("who")).unwrap();
+            assert_eq!(fs::read_to_string(t.join("sub/part")).unwrap(), who, "never a mix");
+            let mut names: Vec<_> = fs::read_dir(&t).unwrap().map(|e| e.unwrap().file_name()).collect();
+            names.sort();
+            assert_eq!(names, ["sub", "who"]);
+        }
+    }
+
+    #[test]
     fn missing_staging_is_io_error() {
         let d = tempfile::tempdir().unwrap();
         let e = commit_dir(&d.path().join("nope"), &d.path().join("t"), true).unwrap_err();

@@ -7,9 +7,11 @@
 //! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
 //! - [`commit`]: put a staging folder in place atomically.
+//! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod checksum;
 pub mod commit;
 pub mod dtype;
 pub mod error;
@@ -24,6 +26,7 @@ pub mod writer;
 /// Default bytes per positional write or read: 8 MiB.
 pub const DEFAULT_CHUNK_BYTES: u64 = 8 << 20;
 
+pub use checksum::{checksum_files, FileCheck, FileChecksums};
 pub use commit::commit_dir;
 pub use dtype::Dtype;
 pub use error::{Error, Result};

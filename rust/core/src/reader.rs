@@ -14,6 +14,7 @@ use memmap2::{MmapMut, MmapOptions};
 use crate::error::{Error, IoContext, Result};
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
+use crate::sys;
 
 /// One positional read: (file offset, destination, index of the tensor's name).
 type ReadJob<'a> = (u64, &'a mut [u8], usize);
@@ -45,7 +46,7 @@ impl SafetensorsFile {
     /// Open `path`, validate its header fully (see CORE_API.md) and map it.
     pub fn open(path: &Path) -> Result<Self> {
         let label = path.display().to_string();
-        let file = File::open(path).at(path, "opening")?;
+        let file = open_file(path)?;
         let file_size = file.metadata().at(path, "reading the size of")?.len();
         let mut prefix = [0u8; 8];
         let got = (file_size as usize).min(8);
@@ -208,6 +209,18 @@ impl SafetensorsFile {
         })?;
         Ok(())
     }
+}
+
+/// Open `path` for reading: never blocks (FIFOs), and anything but a regular file is refused, a folder as
+/// `EISDIR` ([`Error::Io`]), a FIFO, socket or device as [`Error::Header`].
+pub(crate) fn open_file(path: &Path) -> Result<File> {
+    sys::open_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => Error::Header(format!(
+            "{}: cannot be read as a safetensors file: {e}",
+            path.display()
+        )),
+        _ => Error::io(path, "opening", e),
+    })
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Writing safetensors files: temp file beside the target, preallocated, tensor bytes written by a pool of
 //! threads with positional (vectored) writes straight from the callers' buffers, strided tensors gathered into
-//! one chunk buffer per thread; then fsync, rename over the target and fsync the folder.
+//! one chunk buffer per thread; then fsync, rename over the target and fsync the folder. Each chunk's bytes
+//! are summed (crc32c, per tensor piece) by the thread that writes them; see [`crate::checksum`].
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
@@ -8,9 +9,11 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 #[cfg(test)]
 use std::sync::{Arc, Barrier};
 
+use crate::checksum::{self, FileChecksums, PieceCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::FileLayout;
 use crate::pool;
@@ -67,6 +70,8 @@ pub struct WriteStats {
     pub chunk_buffers: usize,
     /// Bytes of gather buffers allocated in all.
     pub chunk_buffer_bytes: u64,
+    /// Each file's crc32c checksums (whole file, and per tensor in file order), in job order.
+    pub checksums: Vec<FileChecksums>,
 }
 
 /// Write one file; see [`write_files`].
@@ -128,6 +133,7 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
     let total_chunks = *first_chunk.last().unwrap_or(&0);
     let max_data = layouts.iter().map(|l| l.data_len).max().unwrap_or(0);
     let buffer_len = chunk.min(max_data) as usize;
+    let crcs: Vec<OnceLock<Vec<PieceCrc>>> = (0..total_chunks).map(|_| OnceLock::new()).collect();
     let buffers = AtomicUsize::new(0);
     let buffer_bytes = AtomicU64::new(0);
     #[cfg(test)]
@@ -169,6 +175,12 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 }
             })
             .collect();
+        let sums = pieces.iter().zip(&parts).map(|(p, bytes)| PieceCrc {
+            tensor: Some(p.tensor),
+            crc: checksum::crc32c_append(0, bytes),
+            len: p.len as u64,
+        });
+        crcs[k].set(sums.collect()).expect("each chunk once");
         sys::write_all_vectored_at(&temp.file, &parts, file_offset).at(
             &temp.path,
             &format!(
@@ -177,6 +189,21 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             ),
         )
     })?;
+    let mut crcs = crcs.into_iter().map(|c| c.into_inner().unwrap_or_default());
+    let checksums = layouts
+        .iter()
+        .enumerate()
+        .map(|(f, layout)| {
+            let header = PieceCrc {
+                tensor: None,
+                crc: checksum::crc32c_append(0, &layout.header),
+                len: layout.header.len() as u64,
+            };
+            let data = crcs.by_ref().take(first_chunk[f + 1] - first_chunk[f]).flatten();
+            let names = layout.tensors.iter().map(|t| t.name.clone()).collect();
+            checksum::fold(std::iter::once(header).chain(data), names)
+        })
+        .collect();
     if opts.durable {
         pool::run::<(), _>(opts.threads, temps.len(), None, |_, i| {
             temps[i].file.sync_all().at(&temps[i].path, "fsyncing")
@@ -199,6 +226,7 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
         threads_used: report.threads_used,
         chunk_buffers: buffers.into_inner(),
         chunk_buffer_bytes: buffer_bytes.into_inner(),
+        checksums,
     })
 }
 
