@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import demo
+from fastckpt import _demo_verify, demo
 from fastckpt._gpt2 import GPT, PRESETS, GPTConfig, num_parameters
 from fastckpt.cli import main
 
@@ -102,14 +102,14 @@ def test_demo_exits_nonzero_when_a_load_restores_nothing(monkeypatch, capsys):
 
 
 def test_diff_is_type_strict():
-    assert demo.diff({"betas": (0.9, 0.95)}, {"betas": (0.9, 0.95)}, "g") == []
-    assert demo.diff({"betas": (0.9, 0.95)}, {"betas": [0.9, 0.95]}, "g") == [
+    assert _demo_verify.diff({"betas": (0.9, 0.95)}, {"betas": (0.9, 0.95)}, "g") == []
+    assert _demo_verify.diff({"betas": (0.9, 0.95)}, {"betas": [0.9, 0.95]}, "g") == [
         "g.betas: tuple (0.9, 0.95) != list [0.9, 0.95]"
     ]
-    assert demo.diff(torch.zeros(2), torch.zeros(2, dtype=torch.float64), "t") == [
+    assert _demo_verify.diff(torch.zeros(2), torch.zeros(2, dtype=torch.float64), "t") == [
         "t: torch.float32[2] != torch.float64[2]"
     ]
-    assert demo.diff(1, 1.0, "n") == ["n: int 1 != float 1.0"]
+    assert _demo_verify.diff(1, 1.0, "n") == ["n: int 1 != float 1.0"]
 
 
 @pytest.mark.slow

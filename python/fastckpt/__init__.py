@@ -20,6 +20,7 @@ from .errors import (
     MissingStateError,
     ShapeMismatchError,
     TruncatedFileError,
+    UnsafePickleError,
 )
 
 try:
@@ -41,5 +42,6 @@ __all__ = [
     "IntegrityError",
     "ShapeMismatchError",
     "DtypeError",
+    "UnsafePickleError",
     "__version__",
 ]

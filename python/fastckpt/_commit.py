@@ -24,7 +24,8 @@ from ._tensors import tensor_sources
 
 __all__ = ["write_checkpoint", "write_text", "fsync_dir"]
 
-_LAYOUT_BASES = {"model", "optimizer", "scheduler", "random_states"}
+_LAYOUT_BASES = {"model", "optimizer", "scheduler", "random_states", "pytorch_model", "custom_checkpoint",
+                 "scaler", "sampler", "dl_state_dict"}
 
 
 def fsync_dir(path: Path) -> None:
@@ -36,9 +37,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_text(path: Path, text: str, durable: bool) -> int:
-    """Write a small UTF-8 file (fsynced when ``durable``); returns its size in bytes."""
-    data = text.encode("utf-8")
+def write_text(path: Path, text: str | bytes, durable: bool) -> int:
+    """Write a small UTF-8 file, or bytes as given (fsynced when ``durable``); returns its size in bytes."""
+    data = text if isinstance(text, bytes) else text.encode("utf-8")
     with open(path, "wb") as f:
         f.write(data)
         if durable:

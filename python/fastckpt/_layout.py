@@ -13,6 +13,13 @@ first has none, then ``_1``, ``_2``...):
 =====================================  ==============================================================
 
 Automatic naming follows accelerate's ``ProjectConfiguration``: ``{project_dir}/checkpoints/checkpoint_{n}``.
+
+Which layout a folder holds (:func:`checkpoint_layout`): a folder with ``fastckpt.json`` is fastckpt's (its
+``layout`` entry says ``"accelerate"`` for a ``compat="accelerate"`` save); a folder without it is accelerate's when
+it holds accelerate's files and none of the files only fastckpt writes (``random_states_*.safetensors``,
+``optimizer*.safetensors``, ``scheduler*.json``). A folder with fastckpt-only files and no manifest is an unfinished
+save: it is never loaded and never counts as a committed checkpoint. Stock accelerate checkpoints count as
+committed when they hold ``random_states_0.pkl`` (the last file ``Accelerator.save_state`` writes for rank 0).
 """
 
 from __future__ import annotations
@@ -28,12 +35,56 @@ from .errors import HeaderError, IntegrityError, MissingStateError
 
 __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
-    "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints",
+    "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
+    "is_committed",
 ]
 
 MANIFEST = "fastckpt.json"
 FORMAT_VERSION = 1
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+_FASTCKPT_ONLY_RE = re.compile(
+    r"^(random_states_\d+\.safetensors|optimizer(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+    r"|scheduler(_\d+)?\.json)$"
+)
+_ACCELERATE_RE = re.compile(
+    r"^(random_states_\d+\.pkl|(optimizer|scheduler|pytorch_model)(_\d+)?\.bin"
+    r"|model(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?)$"
+)
+
+
+def checkpoint_layout(folder: Path) -> str:
+    """``"fastckpt"`` or ``"accelerate"``: how to read ``folder`` (the rule is in the module docs).
+
+    Raises:
+        MissingStateError: no manifest and no accelerate files, or fastckpt files without a manifest (an
+            unfinished save).
+        HeaderError: the manifest is not valid JSON.
+    """
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        try:
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HeaderError(f"{manifest}: not valid JSON: {exc}") from None
+        return "accelerate" if isinstance(data, dict) and data.get("layout") == "accelerate" else "fastckpt"
+    names = os.listdir(folder)
+    partial = sorted(n for n in names if _FASTCKPT_ONLY_RE.match(n))
+    if partial:
+        raise MissingStateError(
+            f"{folder}: holds fastckpt files ({', '.join(partial[:3])}) but no {MANIFEST}: a save that did not finish"
+        )
+    if any(_ACCELERATE_RE.match(n) for n in names):
+        return "accelerate"
+    raise MissingStateError(f"{folder}: no {MANIFEST} and no accelerate checkpoint files; not a checkpoint")
+
+
+def is_committed(folder: Path) -> bool:
+    """Whether ``folder`` is a finished checkpoint: fastckpt's (has the manifest) or stock accelerate's."""
+    if (folder / MANIFEST).is_file():
+        return True
+    if not (folder / "random_states_0.pkl").is_file():
+        return False
+    return not any(_FASTCKPT_ONLY_RE.match(n) for n in os.listdir(folder))
 
 
 def part_name(base: str, index: int, suffix: str) -> str:
@@ -95,14 +146,14 @@ def read_manifest(folder: Path, *, check_sizes: bool = True) -> dict[str, Any]:
 
 
 def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:
-    """Committed automatic checkpoints under ``project_dir/checkpoints``: ``{n: folder}`` (with a manifest)."""
+    """Committed automatic checkpoints under ``project_dir/checkpoints``: ``{n: folder}`` (see :func:`is_committed`)."""
     root = project_dir / "checkpoints"
     found: dict[int, Path] = {}
     if not root.is_dir():
         return found
     for entry in root.iterdir():
         m = _CHECKPOINT_RE.match(entry.name)
-        if m and entry.is_dir() and (entry / MANIFEST).is_file():
+        if m and entry.is_dir() and is_committed(entry):
             found[int(m.group(1))] = entry
     return found
 
@@ -110,7 +161,8 @@ def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:
 def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """The committed checkpoint with the largest number in ``{project_dir}/checkpoints`` (numeric order), or None.
 
-    ``project_dir`` defaults to the current directory. Folders without ``fastckpt.json`` are never chosen.
+    ``project_dir`` defaults to the current directory. Unfinished saves are never chosen; stock accelerate
+    checkpoints count (see :func:`is_committed`).
     """
     numbers = checkpoint_numbers(Path(project_dir if project_dir is not None else os.getcwd()))
     return numbers[max(numbers)] if numbers else None

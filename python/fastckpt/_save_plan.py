@@ -38,9 +38,9 @@ class SavePlan:
 
     mode: str  # "full" or "model_only"
     step: int
-    counts: dict[str, int]
+    counts: dict[str, Any]  # part counts, plus manifest facts such as "layout": "accelerate"
     parts: list[FilePart] = field(default_factory=list)
-    texts: dict[str, str] = field(default_factory=dict)
+    texts: dict[str, str | bytes] = field(default_factory=dict)  # small files: JSON text, or bytes (compat pickles)
 
     @property
     def nbytes(self) -> int:
@@ -48,10 +48,30 @@ class SavePlan:
         return sum(t.numel() * t.element_size() for p in self.parts for t in p.tensors.values())
 
 
-def _model_config_json(model: Any) -> str | None:
+def model_config_json(model: Any) -> str | None:
+    """A transformers model's ``config.json`` text, or None for a model without a config."""
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
     return to_json() if callable(to_json) else None
+
+
+def _shard(plan: SavePlan, max_shard_size: int | str | None) -> SavePlan:
+    """Split the model and optimizer parts of ``plan`` into Hugging Face shards (see :mod:`fastckpt._shards`)."""
+    if max_shard_size is None:
+        return plan
+    from ._shards import parse_size, split_part
+
+    limit = parse_size(max_shard_size)
+    parts: list[FilePart] = []
+    for part in plan.parts:
+        if part.name.startswith(("model", "optimizer")):
+            pieces, index = split_part(part, limit)
+            parts += pieces
+            plan.texts.update(index)
+        else:
+            parts.append(part)
+    plan.parts = parts
+    return plan
 
 
 def build_save_plan(
@@ -61,13 +81,38 @@ def build_save_plan(
     *,
     model_only: bool,
     step: int = 0,
+    max_shard_size: int | str | None = None,
+    compat: str | None = None,
+    model_states: list[dict[str, torch.Tensor]] | None = None,
+    rng_states: list[tuple[dict[str, torch.Tensor], dict[str, str]]] | None = None,
 ) -> SavePlan:
     """Collect the files of a checkpoint (see :mod:`fastckpt._layout` for the names).
+
+    Args:
+        max_shard_size: split model and optimizer files larger than this (bytes, or ``"10GB"``) into
+            ``{base}-0000k-of-0000N.safetensors`` + ``{base}.safetensors.index.json``; None keeps one file each.
+        compat: None (fastckpt's layout) or ``"accelerate"`` (accelerate's exact files, pickles included;
+            see :mod:`fastckpt._accelerate_format`).
+        model_states: state dicts to write instead of the models' own (accelerate's save hooks may edit them);
+            optimizer fqns still come from ``models``.
+        rng_states: ``rng_payload`` results per rank (``random_states_{rank}``); None: this process as rank 0.
 
     Raises:
         KeyMismatchError: an optimizer holds a parameter of no passed model.
         TypeError: state that cannot be stored without pickle (names its path).
+        ValueError: an unknown ``compat``, a bad ``max_shard_size``, or ``max_shard_size`` with accelerate's
+            layout (which is unsharded).
     """
+    if compat is not None:
+        if compat != "accelerate":
+            raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
+        if max_shard_size is not None:
+            raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state "
+                             "does; pass max_shard_size=None")
+        from ._accelerate_format import build_accelerate_plan
+
+        return build_accelerate_plan(models, optimizers, schedulers, model_only=model_only, step=step,
+                                     model_states=model_states)
     if model_only:
         optimizers, schedulers = [], []
     plan = SavePlan(
@@ -75,14 +120,16 @@ def build_save_plan(
         step=step,
         counts={"models": len(models), "optimizers": len(optimizers), "schedulers": len(schedulers)},
     )
-    for i, m in enumerate(models):
+    states: list[Any] = list(models) if model_states is None else list(model_states)
+    plan.counts["models"] = len(states)
+    for i, m in enumerate(states):
         tensors, aliases = collect_model_state(m)
         plan.parts.append(FilePart(part_name("model", i, ".safetensors"), tensors,
                                    [("format", "pt"), *aliases.items()]))
-    if models and (config := _model_config_json(models[0])) is not None:
+    if models and (config := model_config_json(models[0])) is not None:
         plan.texts["config.json"] = config
     if model_only:
-        return plan
+        return _shard(plan, max_shard_size)
     fqns = param_fqns(models)
     for j, opt in enumerate(optimizers):
         tensors, metadata = optimizer_payload(opt, fqns, label=part_name("optimizer", j, ""))
@@ -90,6 +137,6 @@ def build_save_plan(
     for k, sched in enumerate(schedulers):
         state = encode(sched.state_dict(), path=part_name("scheduler", k, ""))
         plan.texts[part_name("scheduler", k, ".json")] = json.dumps(state)
-    tensors, metadata = rng_payload(step)
-    plan.parts.append(FilePart(random_states_name(0), tensors, list(metadata.items())))
-    return plan
+    for rank, (tensors, metadata) in enumerate(rng_states if rng_states is not None else [rng_payload(step)]):
+        plan.parts.append(FilePart(random_states_name(rank), tensors, list(metadata.items())))
+    return _shard(plan, max_shard_size)

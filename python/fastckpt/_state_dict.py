@@ -81,8 +81,10 @@ def find_aliases(state_dict: Mapping[str, torch.Tensor], *, any_overlap: bool = 
     return [sorted(g, key=order.__getitem__) for g in groups]
 
 
-def collect_model_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors to store for ``module`` and the dropped tied names.
+def collect_model_state(
+    module: torch.nn.Module | Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to store for ``module`` (or for a ready state dict) and the dropped tied names.
 
     Returns:
         ``(tensors, aliases)``: ``tensors`` is the state dict without tied duplicates (values are detached views
@@ -91,7 +93,7 @@ def collect_model_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor
     Raises:
         TypeError: a state_dict entry is not a tensor (e.g. an ``extra_state`` object), naming it.
     """
-    state_dict = module.state_dict()
+    state_dict = dict(module) if isinstance(module, Mapping) else module.state_dict()
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(

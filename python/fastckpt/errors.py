@@ -12,6 +12,8 @@ bindings, so a caller never sees a Rust-only exception type.
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "CheckpointError",
     "HeaderError",
@@ -21,6 +23,7 @@ __all__ = [
     "IntegrityError",
     "ShapeMismatchError",
     "DtypeError",
+    "UnsafePickleError",
 ]
 
 
@@ -57,3 +60,10 @@ class DtypeError(CheckpointError, TypeError):
 
 class ShapeMismatchError(CheckpointError, ValueError):
     """A stored tensor's shape differs from the shape of the live tensor it is loaded into."""
+
+
+class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
+    """A pickled file (accelerate's ``.bin`` / ``.pkl``) needs full unpickling, which can run arbitrary code.
+
+    Raised unless the load passes ``trust_pickle=True``; the message names the file and the global it needs.
+    """

@@ -90,7 +90,10 @@ fn regions(size: u64, header: Option<&header::Header>) -> Vec<(Option<usize>, Ra
 }
 
 /// The pieces of `regions` (sorted, adjacent) that `range` covers, as `(tensor, absolute range)`.
-fn split(regions: &[(Option<usize>, Range<u64>)], range: Range<u64>) -> Vec<(Option<usize>, Range<u64>)> {
+fn split(
+    regions: &[(Option<usize>, Range<u64>)],
+    range: Range<u64>,
+) -> Vec<(Option<usize>, Range<u64>)> {
     let first = regions.partition_point(|(_, r)| r.end <= range.start);
     regions[first..]
         .iter()
@@ -142,7 +145,11 @@ fn read_header(file: &File, size: u64, path: &Path) -> Result<header::Header> {
 ///
 /// Errors: a file that cannot be opened or read ([`Error::Io`]), or one that shrinks while it is read
 /// ([`Error::Truncated`]). A malformed header is not an error of the call: see [`FileCheck::header_error`].
-pub fn checksum_files(paths: &[PathBuf], threads: usize, chunk_bytes: u64) -> Result<Vec<FileCheck>> {
+pub fn checksum_files(
+    paths: &[PathBuf],
+    threads: usize,
+    chunk_bytes: u64,
+) -> Result<Vec<FileCheck>> {
     if chunk_bytes == 0 {
         return Err(Error::InvalidArgument(
             "chunk_bytes must be at least 1".into(),
@@ -154,7 +161,8 @@ pub fn checksum_files(paths: &[PathBuf], threads: usize, chunk_bytes: u64) -> Re
         .collect::<Result<Vec<_>>>()?;
     let mut first_chunk = vec![0usize];
     for f in &files {
-        first_chunk.push(first_chunk[first_chunk.len() - 1] + f.size.div_ceil(chunk_bytes) as usize);
+        first_chunk
+            .push(first_chunk[first_chunk.len() - 1] + f.size.div_ceil(chunk_bytes) as usize);
     }
     let total = first_chunk[files.len()];
     let results: Vec<OnceLock<Vec<PieceCrc>>> = (0..total).map(|_| OnceLock::new()).collect();
@@ -176,7 +184,11 @@ pub fn checksum_files(paths: &[PathBuf], threads: usize, chunk_bytes: u64) -> Re
                     expected: range.end,
                     actual: s.file.metadata().map_or(0, |m| m.len()),
                 },
-                _ => Error::io(&s.path, format!("reading {len} bytes at offset {}", range.start), e),
+                _ => Error::io(
+                    &s.path,
+                    format!("reading {len} bytes at offset {}", range.start),
+                    e,
+                ),
             })?;
         let pieces = split(&s.regions, range.clone())
             .into_iter()
@@ -192,13 +204,18 @@ pub fn checksum_files(paths: &[PathBuf], threads: usize, chunk_bytes: u64) -> Re
         results[k].set(pieces).expect("each chunk once");
         Ok(())
     })?;
-    let mut results = results.into_iter().map(|r| r.into_inner().unwrap_or_default());
+    let mut results = results
+        .into_iter()
+        .map(|r| r.into_inner().unwrap_or_default());
     let mut out = Vec::with_capacity(files.len());
     for (f, s) in files.into_iter().enumerate() {
         let chunks = first_chunk[f + 1] - first_chunk[f];
         let pieces: Vec<PieceCrc> = results.by_ref().take(chunks).flatten().collect();
         let (names, header_error) = match s.header {
-            Ok(h) => (h.tensors.into_iter().map(|t: TensorInfo| t.name).collect(), None),
+            Ok(h) => (
+                h.tensors.into_iter().map(|t: TensorInfo| t.name).collect(),
+                None,
+            ),
             Err(e) => (Vec::new(), Some(e)),
         };
         out.push(FileCheck {

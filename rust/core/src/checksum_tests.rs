@@ -7,7 +7,13 @@ use crate::source::TensorSource;
 use crate::writer::{write_file, WriteOptions};
 use std::fs;
 
-fn src<'a>(name: &str, dtype: Dtype, shape: &[u64], data: &'a [u8], strides: Option<Vec<u64>>) -> TensorSource<'a> {
+fn src<'a>(
+    name: &str,
+    dtype: Dtype,
+    shape: &[u64],
+    data: &'a [u8],
+    strides: Option<Vec<u64>>,
+) -> TensorSource<'a> {
     TensorSource {
         name: name.into(),
         dtype,
@@ -27,7 +33,11 @@ fn whole(bytes: &[u8]) -> u32 {
 fn known_value_and_fold_equals_whole() {
     assert_eq!(whole(b"Hello world!"), 0x7B98_E751);
     let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
-    for cuts in [vec![0, 10_000], vec![0, 1, 2, 9_999, 10_000], vec![0, 4096, 4097, 8000, 10_000]] {
+    for cuts in [
+        vec![0, 10_000],
+        vec![0, 1, 2, 9_999, 10_000],
+        vec![0, 4096, 4097, 8000, 10_000],
+    ] {
         let pieces = cuts.windows(2).map(|w| PieceCrc {
             tensor: Some(usize::from(w[0] >= 4096)),
             crc: whole(&data[w[0]..w[1]]),
@@ -74,7 +84,11 @@ fn writer_sums_equal_the_bytes_on_disk_for_any_threads_and_chunk() {
         assert_eq!(sums.file_size, bytes.len() as u64);
         assert_eq!(sums.file_crc32c, whole(&bytes));
         let names: Vec<&str> = sums.tensors.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["big", "strided", "empty", "tiny"], "file (offset) order");
+        assert_eq!(
+            names,
+            ["big", "strided", "empty", "tiny"],
+            "file (offset) order"
+        );
         for (name, crc) in &sums.tensors {
             assert_eq!(*crc, whole(&tensor_bytes(&bytes, name)), "{name}");
         }
@@ -95,7 +109,10 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
     let path = dir.path().join("d.safetensors");
     let st = write_file(
         &path,
-        vec![src("a", Dtype::U8, &[4000], &a, None), src("b", Dtype::U8, &[4000], &b, None)],
+        vec![
+            src("a", Dtype::U8, &[4000], &a, None),
+            src("b", Dtype::U8, &[4000], &b, None),
+        ],
         None,
         &WriteOptions::default(),
     )
@@ -106,7 +123,7 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
     let b_at = (h.data_start + h.tensors[1].begin + 1234) as usize;
     bytes[b_at] ^= 0x10;
     fs::write(&path, &bytes).unwrap();
-    let got = &checksum_files(&[path.clone()], 2, 512).unwrap()[0].checksums;
+    let got = &checksum_files(std::slice::from_ref(&path), 2, 512).unwrap()[0].checksums;
     assert_ne!(got.file_crc32c, good.file_crc32c);
     assert_eq!(got.tensors[0], good.tensors[0]);
     assert_ne!(got.tensors[1].1, good.tensors[1].1);
@@ -114,7 +131,7 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
     // A damaged header: the whole-file sum is still computed, the tensors are unknown.
     bytes[8] = b'[';
     fs::write(&path, &bytes).unwrap();
-    let check = checksum_files(&[path.clone()], 2, 512).unwrap().remove(0);
+    let check = checksum_files(std::slice::from_ref(&path), 2, 512).unwrap().remove(0);
     assert_eq!(check.checksums.file_crc32c, whole(&bytes));
     assert_eq!(check.checksums.file_size, bytes.len() as u64);
     assert!(check.checksums.tensors.is_empty());
@@ -122,7 +139,7 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
 
     // A truncated file: the header error says so, with the numbers.
     fs::write(&path, &bytes[..5]).unwrap();
-    let check = checksum_files(&[path.clone()], 1, 512).unwrap().remove(0);
+    let check = checksum_files(std::slice::from_ref(&path), 1, 512).unwrap().remove(0);
     assert_eq!(check.checksums.file_crc32c, whole(&bytes[..5]));
     assert_eq!(check.header_error.unwrap().kind(), "Truncated");
 }
@@ -131,18 +148,27 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
 fn missing_files_folders_and_fifos_are_errors_that_never_hang() {
     let dir = tempfile::tempdir().unwrap();
     let e = checksum_files(&[dir.path().join("nope")], 1, 64).unwrap_err();
-    assert!(matches!(&e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOENT)), "{e:?}");
+    assert!(
+        matches!(&e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::ENOENT)),
+        "{e:?}"
+    );
     let e = checksum_files(&[dir.path().to_path_buf()], 1, 64).unwrap_err();
-    assert!(matches!(&e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::EISDIR)), "{e:?}");
+    assert!(
+        matches!(&e, Error::Io { source, .. } if source.raw_os_error() == Some(libc::EISDIR)),
+        "{e:?}"
+    );
     let fifo = dir.path().join("fifo");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: a valid NUL-terminated path; mkfifo only reads it.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-    let e = checksum_files(&[fifo.clone()], 1, 64).unwrap_err();
+    let e = checksum_files(std::slice::from_ref(&fifo), 1, 64).unwrap_err();
     assert_eq!(e.kind(), "Header", "{e}");
     assert!(e.to_string().contains("not a regular file (a FIFO)"), "{e}");
     let e = crate::reader::SafetensorsFile::open(&fifo).unwrap_err();
     assert_eq!(e.kind(), "Header", "{e}");
     assert_eq!(checksum_files(&[], 1, 64).unwrap().len(), 0);
-    assert_eq!(checksum_files(&[], 1, 0).unwrap_err().kind(), "InvalidArgument");
+    assert_eq!(
+        checksum_files(&[], 1, 0).unwrap_err().kind(),
+        "InvalidArgument"
+    );
 }

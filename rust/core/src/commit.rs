@@ -18,31 +18,7 @@ pub fn commit_dir(staging: &Path, target: &Path, durable: bool) -> Result<()> {
             staging.display()
         )));
     }
-    let target_exists = match fs::symlink_metadata(target) {
-        Ok(_) => true,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-        Err(e) => return Err(Error::io(target, "reading the target", e)),
-    };
-    if !target_exists {
-        fs::rename(staging, target).at(target, "renaming the staging folder to")?;
-    } else {
-        match sys::rename_exchange(staging, target) {
-            Ok(()) => {}
-            // File systems without RENAME_EXCHANGE: two renames, with the old tree parked at `staging`.
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)
-                ) =>
-            {
-                let parked = parked_name(staging);
-                fs::rename(target, &parked).at(target, "moving the old tree aside from")?;
-                fs::rename(staging, target).at(target, "renaming the staging folder to")?;
-                fs::rename(&parked, staging).at(staging, "parking the old tree at")?;
-            }
-            Err(e) => return Err(Error::io(target, "exchanging the staging folder with", e)),
-        }
-    }
+    let target_existed = put_in_place(staging, target)?;
     if durable {
         let (sp, tp) = (parent_dir(staging), parent_dir(target));
         sys::fsync_dir(&tp).at(&tp, "fsyncing the folder")?;
@@ -50,7 +26,7 @@ pub fn commit_dir(staging: &Path, target: &Path, durable: bool) -> Result<()> {
             sys::fsync_dir(&sp).at(&sp, "fsyncing the folder")?;
         }
     }
-    if target_exists {
+    if target_existed {
         // The old tree now sits at `staging`.
         let old = fs::symlink_metadata(staging).at(staging, "reading the replaced tree")?;
         if old.is_dir() {
@@ -60,6 +36,54 @@ pub fn commit_dir(staging: &Path, target: &Path, durable: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// How often [`put_in_place`] retries when another process creates or removes `target` between our look and
+/// our rename.
+const ATTEMPTS: usize = 16;
+
+/// Rename `staging` to `target` (when there is no target) or exchange them (when there is); returns whether a
+/// target existed (its tree is then at `staging`). Another process may commit the same target at the same
+/// moment: a plain rename that finds a non-empty folder there now (`ENOTEMPTY`/`EEXIST`) is retried as an
+/// exchange, and an exchange that finds the target gone (`ENOENT`) as a rename, so two concurrent commits both
+/// succeed and the later one wins whole.
+fn put_in_place(staging: &Path, target: &Path) -> Result<bool> {
+    let mut last = None;
+    for _ in 0..ATTEMPTS {
+        let exists = match fs::symlink_metadata(target) {
+            Ok(_) => true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(e) => return Err(Error::io(target, "reading the target", e)),
+        };
+        let outcome = if exists {
+            sys::rename_exchange(staging, target)
+        } else {
+            fs::rename(staging, target)
+        };
+        match outcome.map_err(|e| (e.raw_os_error(), e)) {
+            Ok(()) => return Ok(exists),
+            Err((Some(libc::ENOTEMPTY | libc::EEXIST), e)) if !exists => last = Some(e),
+            Err((Some(libc::ENOENT), e)) if exists => last = Some(e),
+            // File systems without RENAME_EXCHANGE: two renames, with the old tree parked at `staging`.
+            Err((Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP), _)) if exists => {
+                let parked = parked_name(staging);
+                fs::rename(target, &parked).at(target, "moving the old tree aside from")?;
+                fs::rename(staging, target).at(target, "renaming the staging folder to")?;
+                fs::rename(&parked, staging).at(staging, "parking the old tree at")?;
+                return Ok(true);
+            }
+            Err((_, e)) if exists => {
+                return Err(Error::io(target, "exchanging the staging folder with", e))
+            }
+            Err((_, e)) => return Err(Error::io(target, "renaming the staging folder to", e)),
+        }
+    }
+    let e = last.unwrap_or_else(|| io::Error::from_raw_os_error(libc::EBUSY));
+    Err(Error::io(
+        target,
+        format!("putting the staging folder in place ({ATTEMPTS} attempts raced other writers)"),
+        e,
+    ))
 }
 
 /// `<staging>.old.<pid>`, beside the staging folder.
@@ -137,8 +161,15 @@ mod tests {
                 assert!(!staging_left, "round {round}: the replaced tree is removed");
             }
             let who = fs::read_to_string(t.join("who")).unwrap();
-            assert_eq!(fs::read_to_string(t.join("sub/part")).unwrap(), who, "never a mix");
-            let mut names: Vec<_> = fs::read_dir(&t).unwrap().map(|e| e.unwrap().file_name()).collect();
+            assert_eq!(
+                fs::read_to_string(t.join("sub/part")).unwrap(),
+                who,
+                "never a mix"
+            );
+            let mut names: Vec<_> = fs::read_dir(&t)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
             names.sort();
             assert_eq!(names, ["sub", "who"]);
         }

@@ -199,7 +199,10 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 crc: checksum::crc32c_append(0, &layout.header),
                 len: layout.header.len() as u64,
             };
-            let data = crcs.by_ref().take(first_chunk[f + 1] - first_chunk[f]).flatten();
+            let data = crcs
+                .by_ref()
+                .take(first_chunk[f + 1] - first_chunk[f])
+                .flatten();
             let names = layout.tensors.iter().map(|t| t.name.clone()).collect();
             checksum::fold(std::iter::once(header).chain(data), names)
         })

@@ -1,9 +1,11 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
-//! errors (mapping), write (write_file, write_files, serialize), read (SafetensorsFile, parse_header), commit.
+//! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
+//! parse_header), commit, integrity (checksum_files, crc32c).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod commit;
 mod errors;
+mod integrity;
 mod read;
 mod write;
 
@@ -15,7 +17,9 @@ mod _core {
     #[pymodule_export]
     use super::commit::commit_dir;
     #[pymodule_export]
+    use super::integrity::{checksum_files, crc32c};
+    #[pymodule_export]
     use super::read::{parse_header, SafetensorsFile};
     #[pymodule_export]
-    use super::write::{serialize, write_file, write_files};
+    use super::write::{serialize, write_file, write_files, write_files_checked};
 }

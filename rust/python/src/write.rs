@@ -133,16 +133,15 @@ pub fn write_file(
     Ok(stats.file_sizes[0])
 }
 
-/// Write several files in one parallel pass; returns each file's size. See `_core.pyi`.
-#[pyfunction]
-#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
-pub fn write_files(
+/// `(file_size, file_crc32c, [(tensor, crc32c)])` of one written file, tensors in file order.
+pub type FileDigest = (u64, u32, Vec<(String, u32)>);
+
+/// Convert `jobs` with the GIL held, then write them all with it released.
+fn run_write_files(
     py: Python<'_>,
     jobs: &Bound<'_, PyAny>,
-    durable: bool,
-    threads: usize,
-    chunk_bytes: u64,
-) -> PyResult<Vec<u64>> {
+    opts: &WriteOptions,
+) -> PyResult<fastckpt_core::WriteStats> {
     let mut held = Vec::new();
     for job in jobs.try_iter()? {
         let (path, tensors, metadata): JobTuple<'_> = job?.extract()?;
@@ -157,11 +156,41 @@ pub fn write_files(
             metadata: metadata.clone(),
         })
         .collect();
-    let opts = options(durable, threads, chunk_bytes);
-    let stats = py
-        .detach(|| fastckpt_core::write_files(&file_jobs, &opts))
-        .map_err(to_py)?;
+    py.detach(|| fastckpt_core::write_files(&file_jobs, opts))
+        .map_err(to_py)
+}
+
+/// Write several files in one parallel pass; returns each file's size. See `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
+pub fn write_files(
+    py: Python<'_>,
+    jobs: &Bound<'_, PyAny>,
+    durable: bool,
+    threads: usize,
+    chunk_bytes: u64,
+) -> PyResult<Vec<u64>> {
+    let stats = run_write_files(py, jobs, &options(durable, threads, chunk_bytes))?;
     Ok(stats.file_sizes)
+}
+
+/// `write_files`, also returning each file's crc32c checksums, summed while the bytes were written.
+/// See `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
+pub fn write_files_checked(
+    py: Python<'_>,
+    jobs: &Bound<'_, PyAny>,
+    durable: bool,
+    threads: usize,
+    chunk_bytes: u64,
+) -> PyResult<Vec<FileDigest>> {
+    let stats = run_write_files(py, jobs, &options(durable, threads, chunk_bytes))?;
+    Ok(stats
+        .checksums
+        .into_iter()
+        .map(|c| (c.file_size, c.file_crc32c, c.tensors))
+        .collect())
 }
 
 /// The bytes `write_file` would write, as a `bytes` object. See `_core.pyi`.
