@@ -326,3 +326,21 @@ def file_modes(folder) -> dict[str, int]:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One closing line for the fault tests (see tests/_fault_log.py)."""
+    import _fault_log
+
+    failed = [r for r in terminalreporter.stats.get("failed", [])
+              if any(f"{m}.py" in r.nodeid for m in _fault_log.FAULT_MODULES)]
+    terminalreporter.write_line(_fault_log.summary_line(len(failed)))
+
+
+@pytest.fixture
+def new_accelerator():
+    """``new_accelerator(**kw)``: a CPU ``accelerate.Accelerator`` on reset singleton state (tests/accel_helpers.py)."""
+    from accel_helpers import accelerator_factory
+
+    yield from accelerator_factory()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import fastckpt
+from _crc32c_ref import crc32c_hex
 from conftest import (
     TinyNet,
     assert_model_state,
@@ -55,7 +56,10 @@ def test_model_only_save_writes_only_model_files_and_manifest(tmp_path):
     manifest = json.loads((ckpt / "fastckpt.json").read_text())
     assert manifest["format"] == "fastckpt" and manifest["format_version"] == 1
     assert manifest["mode"] == "model_only"
-    assert manifest["files"] == {"model.safetensors": {"bytes": (ckpt / "model.safetensors").stat().st_size}}
+    assert list(manifest["files"]) == ["model.safetensors"]
+    data = (ckpt / "model.safetensors").read_bytes()
+    assert manifest["files"]["model.safetensors"]["bytes"] == len(data)
+    assert manifest["files"]["model.safetensors"]["crc32c"] == crc32c_hex(data)
     assert_tensor_dicts_identical(official.load_file(ckpt / "model.safetensors"), model_clone(model), ordered=False)
     assert read_split(ckpt / "model.safetensors")[2]["__metadata__"] == {"format": "pt"}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+from ._integrity import VerifyReport, check_checkpoint, verify_checkpoint
 from ._layout import latest_checkpoint
 from ._rng import RngRestoreWarning
 from .checkpoint import LoadResult, load_state, save_state
@@ -23,6 +24,15 @@ from .errors import (
     UnsafePickleError,
 )
 
+
+def __getattr__(name: str):  # ``fastckpt.accelerate`` on first use: accelerate stays an optional dependency
+    if name == "accelerate":
+        import importlib
+
+        return importlib.import_module(".accelerate", __name__)
+    raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+
+
 try:
     __version__ = _metadata.version("fastckpt")
 except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree without install
@@ -32,6 +42,9 @@ __all__ = [
     "save_state",
     "load_state",
     "latest_checkpoint",
+    "verify_checkpoint",
+    "check_checkpoint",
+    "VerifyReport",
     "LoadResult",
     "RngRestoreWarning",
     "CheckpointError",

@@ -10,11 +10,13 @@ fails on a missing ``optimizer.bin``.
 - Optimizers: ``optimizer{_i}.bin`` is keyed by position; the saved ``param_groups`` must have the live group
   sizes, and moment tensors the shapes of the parameters they belong to.
 - Schedulers, RNG: ``scheduler{_i}.bin``, ``random_states_{rank}.pkl`` (a failed RNG restore raises; accelerate
-  logs it at INFO and goes on).
+  logs it at INFO and goes on). A folder with no ``random_states_*`` and no ``optimizer*`` file holds weights only
+  (``save_model`` / ``save_pretrained`` output): it loads as a model-only checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +161,12 @@ def positional_optimizer_state(optimizer: Any, state: Any, *, path: Path, map_lo
 
 def plan_accelerate_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
                          strict: bool = True, map_location: Any = None, trust_pickle: bool = False,
-                         rank: int = 0) -> Any:
+                         rank: int | None = 0, manifest_mode: str | None = None) -> Any:
     """Phase 1 of loading an accelerate-layout folder: read and validate everything; change nothing.
+
+    Args:
+        manifest_mode: ``"full"`` / ``"model_only"`` from the manifest of a ``compat="accelerate"`` save; None for
+            stock accelerate folders, which are full when they hold ``random_states_*`` or ``optimizer*`` files.
 
     Returns:
         A :class:`fastckpt._load_plan.LoadPlan`.
@@ -174,6 +180,16 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
 
     if model_only:
         optimizers, schedulers = [], []
+    saved_state = manifest_mode == "full" or (manifest_mode is None and any(
+        n.startswith(("random_states_", "optimizer")) for n in os.listdir(folder)))
+    if not saved_state and not model_only and (optimizers or schedulers or manifest_mode is None):
+        wanted = [part_name("optimizer", j, ".bin") for j in range(len(optimizers))]
+        wanted += [part_name("scheduler", k, ".bin") for k in range(len(schedulers))]
+        wanted += [] if manifest_mode else [rng_file(rank)]
+        raise MissingStateError(
+            f"{folder}: holds model weights only (no fastckpt.json and no training state: {', '.join(wanted)} "
+            "absent); load it with model_only=True. Nothing was changed."
+        )
     load = LoadPlan()
     for i, m in enumerate(models):
         files = open_model_files(folder, i, trust_pickle=trust_pickle)
@@ -192,7 +208,7 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
         if not isinstance(state, dict):
             raise HeaderError(f"{path}: holds a {type(state).__name__}, not a scheduler state_dict")
         load.schedulers.append((sched, state))
-    if not model_only:
+    if not model_only and saved_state and rank is not None:
         path = folder / rng_file(rank)
         load.rng = rng_state_from_accelerate(torch_load(path, trust_pickle=trust_pickle, what="the RNG restore"),
                                              path)

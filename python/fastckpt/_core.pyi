@@ -10,12 +10,15 @@ Source buffers are read with the GIL released: do not resize or write to them wh
 
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeAlias, final
 
 from typing_extensions import Buffer
 
-__all__ = ["SafetensorsFile", "commit_dir", "parse_header", "serialize", "write_file", "write_files"]
+__all__ = [
+    "SafetensorsFile", "checksum_files", "commit_dir", "crc32c", "parse_header", "serialize", "write_file",
+    "write_files", "write_files_checked",
+]
 
 #: ``(name, dtype, shape, buffer, byte_offset, byte_strides)``: a tensor of safetensors dtype ``dtype``
 #: (``"F32"``, ``"BF16"``, ``"F4"``, ...) and logical ``shape`` whose first element is at ``byte_offset`` bytes
@@ -62,12 +65,55 @@ def write_files(
     durable: bool = True,
     threads: int = 0,
     chunk_bytes: int = 8 << 20,
+    ready: Callable[[list[tuple[int, int]]], object] | None = None,
 ) -> list[int]:
     """Write several files in one parallel pass (all chunks share one worker pool).
 
     If any file fails, no target is touched and every temp file is removed. Returns each file's size in bytes.
+    ``ready``, when given, is called by the writer threads (taking the GIL) before each chunk with the
+    ``(address, length)`` of the source memory of its contiguous pieces, and must return once those bytes are final
+    (a pinned buffer still receiving device-to-host copies); its exception stops the write and is re-raised.
     Raises as :func:`write_file`.
     """
+
+#: ``(file_size, file_crc32c, [(tensor, crc32c)])``: a written file's size in bytes, the crc32c (Castagnoli) of
+#: all its bytes, and of each tensor's data bytes, tensors in file (offset) order; an empty tensor's crc32c is 0.
+_FileDigest: TypeAlias = tuple[int, int, list[tuple[str, int]]]
+
+def write_files_checked(
+    jobs: Iterable[tuple[_StrPath, Iterable[_TensorSource], _Metadata]],
+    *,
+    durable: bool = True,
+    threads: int = 0,
+    chunk_bytes: int = 8 << 20,
+    ready: Callable[[list[tuple[int, int]]], object] | None = None,
+) -> list[_FileDigest]:
+    """:func:`write_files`, also returning each file's crc32c checksums (a :data:`_FileDigest` per job).
+
+    The sums are computed while the bytes are written, by the thread that writes each chunk (hardware crc32c,
+    pieces combined with ``crc32c_combine``), so they cost no second pass and do not depend on ``threads`` or
+    ``chunk_bytes``. Raises as :func:`write_file`.
+    """
+
+def checksum_files(
+    paths: Sequence[_StrPath], *, threads: int = 0, chunk_bytes: int = 8 << 20
+) -> list[tuple[int, int, list[tuple[str, int]] | None, str | None]]:
+    """Sum files on disk in one parallel pass of positional reads (never through a mapping), GIL released.
+
+    Returns:
+        Per path, ``(file_size, file_crc32c, tensors, header_error)``: ``tensors`` as in :data:`_FileDigest` for
+        a valid safetensors file; for any other file (a JSON file, a damaged header) ``tensors`` is None and
+        ``header_error`` the validation message (only the whole-file crc32c is computed).
+
+    Raises:
+        OSError: a file cannot be opened or read (IsADirectoryError for a folder).
+        HeaderError: a FIFO, socket or device (never opened for blocking reads).
+        TruncatedFileError: a file shrank while it was read.
+    """
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """The crc32c (Castagnoli) of ``data`` appended to ``value`` (0 to start): ``crc32c(b"123456789") ==
+    0xE3069283`` and ``crc32c(b"6789", crc32c(b"12345"))`` is the same."""
 
 def serialize(tensors: Iterable[_TensorSource], metadata: _Metadata) -> bytes:
     """The exact bytes :func:`write_file` would write, in memory. Raises as :func:`write_file`, less OSError."""
@@ -86,7 +132,10 @@ def commit_dir(staging: _StrPath, target: _StrPath, *, durable: bool = True) -> 
     """Put the finished folder ``staging`` at ``target`` in one step.
 
     A rename when ``target`` does not exist; otherwise ``renameat2(RENAME_EXCHANGE)`` and removal of the old
-    tree. ``durable``: fsync the parent folder. Raises ValueError when ``staging`` is not a folder, OSError.
+    tree. When another process commits the same target at the same moment, a rename that meets a folder now there
+    is retried as an exchange (and an exchange that finds the target gone as a rename): both succeed and the
+    later one wins whole. ``durable``: fsync the parent folder. Raises ValueError when ``staging`` is not a
+    folder, OSError.
     """
 
 @final
@@ -102,10 +151,11 @@ class SafetensorsFile:
     """
 
     def __new__(cls, path: _StrPath) -> SafetensorsFile:
-        """Open and fully validate ``path``.
+        """Open and fully validate ``path`` (opened non-blocking: a FIFO never hangs the reader).
 
         Raises:
-            HeaderError, TruncatedFileError, DtypeError: a malformed file. OSError: it cannot be opened.
+            HeaderError, TruncatedFileError, DtypeError: a malformed file, or one that is not a regular file (a
+                FIFO, socket or device). OSError: it cannot be opened (IsADirectoryError for a folder).
         """
 
     @property
@@ -134,6 +184,18 @@ class SafetensorsFile:
         Raises:
             KeyMismatchError: an unknown tensor name.
             ValueError: a buffer of the wrong size, read-only or non-contiguous, or the file was closed.
+            TruncatedFileError, OSError: the file shrank or cannot be read.
+        """
+
+    def read_ranges(self, targets: Sequence[tuple[str, int, Buffer]], *, threads: int = 0) -> None:
+        """Fill each ``(name, offset, buffer)`` target with bytes ``[offset, offset + len(buffer))`` of that
+        tensor's data (a piece of a tensor, e.g. into a pinned bounce buffer), by parallel positional reads of the
+        file, GIL released. Targets must not overlap each other.
+
+        Raises:
+            KeyMismatchError: an unknown tensor name.
+            ValueError: a range past the tensor's end (names the tensor, its size and the range), a buffer that is
+                read-only, non-contiguous or overlaps another target, or the file was closed.
             TruncatedFileError, OSError: the file shrank or cannot be read.
         """
 

@@ -12,6 +12,11 @@ first has none, then ``_1``, ``_2``...):
 ``fastckpt.json``                      the manifest, written last: a folder without it is unfinished
 =====================================  ==============================================================
 
+With ``max_shard_size`` a model or optimizer file over the limit becomes ``{base}-0000k-of-0000N.safetensors`` plus
+``{base}.safetensors.index.json`` (see :mod:`fastckpt._shards`); ``fastckpt.accelerate`` adds the Accelerator's
+other objects (see :mod:`fastckpt._tracked_objects`); ``compat="accelerate"`` writes accelerate's own files (see
+:mod:`fastckpt._accelerate_format`) and records ``"layout": "accelerate"`` in the manifest.
+
 Automatic naming follows accelerate's ``ProjectConfiguration``: ``{project_dir}/checkpoints/checkpoint_{n}``.
 
 Which layout a folder holds (:func:`checkpoint_layout`): a folder with ``fastckpt.json`` is fastckpt's (its
@@ -27,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +101,13 @@ def random_states_name(rank: int) -> str:
     return f"random_states_{rank}.safetensors"
 
 
-def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step: int) -> dict[str, Any]:
-    """The manifest content: format version, mode, part counts, and every file's size in bytes."""
+def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step: int,
+                  checksums: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The manifest content: format version, mode, part counts, and every file's size in bytes (with its crc32c
+    fields from ``checksums``, see :mod:`fastckpt._integrity`)."""
     from . import __version__
 
+    checksums = checksums or {}
     return {
         "format": "fastckpt",
         "format_version": FORMAT_VERSION,
@@ -108,7 +115,7 @@ def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step
         "mode": mode,
         "step": step,
         **counts,
-        "files": {name: {"bytes": size} for name, size in sorted(files.items())},
+        "files": {name: {"bytes": size, **checksums.get(name, {})} for name, size in sorted(files.items())},
     }
 
 
@@ -133,6 +140,7 @@ def read_manifest(folder: Path, *, check_sizes: bool = True) -> dict[str, Any]:
         raise HeaderError(f"{path}: not a fastckpt manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise HeaderError(f"{path}: format_version {manifest.get('format_version')!r}, this fastckpt reads {FORMAT_VERSION}")
+    _check_manifest_fields(path, manifest)
     if check_sizes:
         for name, info in manifest.get("files", {}).items():
             file = folder / name
@@ -143,6 +151,39 @@ def read_manifest(folder: Path, *, check_sizes: bool = True) -> dict[str, Any]:
             if actual != info["bytes"]:
                 raise IntegrityError(f"{file}: {actual} bytes on disk, {info['bytes']} recorded in {MANIFEST}")
     return manifest
+
+
+def _is_hex8(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
+    """The manifest's fields have the types fastckpt writes; file names stay inside the folder (HeaderError)."""
+    def bad(msg: str) -> HeaderError:
+        return HeaderError(f"{path}: {msg}")
+
+    for key in ("models", "optimizers", "schedulers", "step"):
+        value = manifest.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(f"{key!r} must be a non-negative integer, got {value!r}")
+    if not isinstance(manifest.get("mode", ""), str):
+        raise bad(f"'mode' must be a string, got {manifest['mode']!r}")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise bad(f"'files' must be an object, got {type(files).__name__}")
+    for name, info in files.items():
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise bad(f"file name {name!r} points outside the checkpoint folder")
+        if not isinstance(info, dict):
+            raise bad(f"files[{name!r}] must be an object, got {info!r}")
+        size = info.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"files[{name!r}]['bytes'] must be a non-negative integer, got {size!r}")
+        if "crc32c" in info and not _is_hex8(info["crc32c"]):
+            raise bad(f"files[{name!r}]['crc32c'] must be 8 hex digits, got {info['crc32c']!r}")
+        tensors = info.get("tensors", {})
+        if not isinstance(tensors, dict) or not all(_is_hex8(v) for v in tensors.values()):
+            raise bad(f"files[{name!r}]['tensors'] must map tensor names to 8 hex digits")
 
 
 def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:
@@ -179,12 +220,19 @@ def next_checkpoint_dir(project_dir: Path) -> Path:
 
 
 def rotate_checkpoints(project_dir: Path, total_limit: int) -> list[Path]:
-    """Remove the oldest committed checkpoints (numeric order) so that ``total_limit`` remain; returns removed."""
+    """Remove the oldest committed checkpoints (numeric order) so that ``total_limit`` remain; returns removed.
+
+    Each is first renamed to an owned trash name (:mod:`fastckpt._staging`), so it stops counting at once and a
+    removal cut short never leaves a half-deleted ``checkpoint_N`` behind; the next save clears such leftovers.
+    """
+    from ._staging import OwnedPath
+
     if total_limit < 1:
         raise ValueError(f"total_limit must be >= 1, got {total_limit}")
     numbers = checkpoint_numbers(project_dir)
     removed = []
     for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
-        shutil.rmtree(numbers[n])
+        with OwnedPath(numbers[n].parent, numbers[n].name, "trash") as trash:
+            os.rename(numbers[n], trash.path)
         removed.append(numbers[n])
     return removed

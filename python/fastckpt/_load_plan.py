@@ -8,19 +8,20 @@ schedulers and RNGs their states. A failure in phase 1 leaves every object as it
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._codec import decode
-from ._layout import MANIFEST, latest_checkpoint, part_name, random_states_name, read_manifest
+from ._json_input import decode_json, load_json
+from ._layout import MANIFEST, checkpoint_layout, latest_checkpoint, part_name, random_states_name, read_manifest
+from ._live_targets import read_tensors
 from ._optimizer import param_fqns, read_optimizer_state
 from ._rng import RngState, read_rng_state
+from ._shards import open_state_file, open_state_files
 from ._state_dict import ModelLoadPlan, apply_module_load, plan_module_load
-from .errors import HeaderError, MissingStateError
+from .errors import MissingStateError
 
 __all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]
 
@@ -55,27 +56,57 @@ class LoadPlan:
     rng: RngState | None = None
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+    objects: list[tuple[Any, Any]] = field(default_factory=list)  # (obj, state) for obj.load_state_dict(state)
+    live_reads: list[tuple[Any, list]] = field(default_factory=list)  # (file, [(name, live tensor)]), phase 2
 
     def apply(self, *, threads: int = 0) -> None:
         """Phase 2: change the live objects."""
         for plan in self.models:
             apply_module_load(plan, threads=threads)
+        for file, targets in self.live_reads:  # optimizer state read in place (fastckpt._live_targets)
+            read_tensors(file, targets, threads=threads)
         for opt, state in self.optimizers:
             opt.load_state_dict(state)
         for sched, state in self.schedulers:
             sched.load_state_dict(state)
+        for obj, state in self.objects:
+            obj.load_state_dict(state)
         if self.rng is not None:
             self.rng.restore()
 
 
+def positional_fqns(optimizer: Any) -> dict[int, str]:
+    """``{id(param): "#k"}`` by position in ``param_groups``: the keys of optimizer state converted from
+    accelerate without a model (manifest ``"optimizer_keys": "positional"``)."""
+    return {id(p): f"#{k}" for k, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+
+
 def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
-              strict: bool = True, map_location: Any = None) -> LoadPlan:
+              strict: bool = True, map_location: Any = None, trust_pickle: bool = False, rank: int | None = 0,
+              fqn_models: list | None = None) -> LoadPlan:
     """Phase 1 of a load: read and validate everything ``folder`` must provide; change nothing.
 
+    Reads fastckpt's layout (sharded model / optimizer files included) and accelerate's (see
+    :func:`fastckpt._layout.checkpoint_layout` and :mod:`fastckpt._accelerate_load`).
+
+    Args:
+        trust_pickle: accelerate's layout only: allow full unpickling where ``weights_only=True`` refuses a file.
+        rank: whose ``random_states_{rank}`` file to restore; None restores no RNG state.
+        fqn_models: the models whose parameter names key the optimizer state (default: ``models``; accelerate's
+            load hooks may take models out of ``models``).
+
     Raises:
-        MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError:
-            see :func:`fastckpt.load_state`.
+        MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError,
+        UnsafePickleError: see :func:`fastckpt.load_state`.
     """
+    if checkpoint_layout(folder) == "accelerate":
+        from ._accelerate_load import plan_accelerate_load
+
+        # a compat="accelerate" save has a manifest: check the recorded file sizes, take its mode
+        mode = read_manifest(folder).get("mode") if (folder / MANIFEST).is_file() else None
+        return plan_accelerate_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                                    map_location=map_location, trust_pickle=trust_pickle, rank=rank,
+                                    manifest_mode=mode)
     manifest = read_manifest(folder)
     if model_only:
         optimizers, schedulers = [], []
@@ -96,26 +127,27 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
 
     load = LoadPlan()
     for i, m in enumerate(models):
-        plan = plan_module_load(m, [_open_part(folder, part_name("model", i, ".safetensors"), f"model {i}")],
+        plan = plan_module_load(m, open_state_files(folder, part_name("model", i, ""), f"model {i}"),
                                 strict=strict)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]
         load.models.append(plan)
-    fqns = param_fqns(models)
+    fqns = param_fqns(models if fqn_models is None else fqn_models)
+    positional = manifest.get("optimizer_keys") == "positional"
     for j, opt in enumerate(optimizers):
-        file = _open_part(folder, part_name("optimizer", j, ".safetensors"), f"optimizer {j}")
-        state = read_optimizer_state(opt, file, fqns, strict=strict, map_location=map_location,
+        file = open_state_file(folder, part_name("optimizer", j, ""), f"optimizer {j}")
+        state = read_optimizer_state(opt, file, positional_fqns(opt) if positional else fqns, strict=strict,
+                                     map_location=map_location, defer=load.live_reads,
                                      label=part_name("optimizer", j, ""))
         load.optimizers.append((opt, state))
     for k, sched in enumerate(schedulers):
         path = folder / part_name("scheduler", k, ".json")
         try:
-            load.schedulers.append((sched, decode(json.loads(path.read_text(encoding="utf-8")))))
+            where = f"{path}: not a valid fastckpt scheduler state"
+            load.schedulers.append((sched, decode_json(load_json(path.read_bytes(), where), where)))
         except FileNotFoundError:
             raise MissingStateError(f"{folder}: scheduler {k} needs {path.name}, which is absent") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-            raise HeaderError(f"{path}: not a valid fastckpt scheduler state: {exc}") from None
-    if not model_only and manifest.get("mode") == "full":
-        load.rng = read_rng_state(_open_part(folder, random_states_name(0), "the RNG restore"))
+    if not model_only and manifest.get("mode") == "full" and rank is not None:
+        load.rng = read_rng_state(_open_part(folder, random_states_name(rank), "the RNG restore"))
     return load

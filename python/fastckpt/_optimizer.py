@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ._codec import decode, encode
+from ._codec import encode
+from ._json_input import decode_json, load_json
 from .errors import HeaderError, KeyMismatchError
 
 __all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
@@ -104,12 +105,21 @@ def optimizer_payload(
 
 
 def _load_json(metadata: dict[str, str], key: str, path: str) -> Any:
-    try:
-        return json.loads(metadata[key])
-    except KeyError:
-        raise HeaderError(f"{path}: metadata has no {key!r}; not a fastckpt optimizer file") from None
-    except json.JSONDecodeError as exc:
-        raise HeaderError(f"{path}: metadata {key!r} is not valid JSON: {exc}") from None
+    if key not in metadata:
+        raise HeaderError(f"{path}: metadata has no {key!r}; not a fastckpt optimizer file")
+    where = f"{path}: metadata {key!r}"
+    value = load_json(metadata[key], where, list if key == "param_groups" else dict)
+    if key == "param_groups":
+        if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in value):
+            raise HeaderError(f"{where}: every param group must be an object with a 'params' list")
+        if not all(isinstance(fqn, str) for g in value for fqn in g["params"]):
+            raise HeaderError(f"{where}: 'params' must list parameter names (str)")
+    elif key == "state_names":
+        if not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in value.values()):
+            raise HeaderError(f"{where}: must map each parameter to a list of state names (str)")
+    elif not all(isinstance(v, dict) for v in value.values()):
+        raise HeaderError(f"{where}: must map each parameter to an object")
+    return value
 
 
 def read_optimizer_state(
@@ -120,6 +130,7 @@ def read_optimizer_state(
     strict: bool = True,
     map_location: Any = None,
     label: str = "optimizer",
+    defer: list | None = None,
 ) -> dict[str, Any]:
     """Read an optimizer file into a positional state dict for ``optimizer.load_state_dict``; changes nothing.
 
@@ -128,6 +139,10 @@ def read_optimizer_state(
     Args:
         file: an opened ``fastckpt._core.SafetensorsFile``.
         map_location: device for state tensors other than ``step`` (None: let torch move them to the params).
+        defer: when a list is given, state the live optimizer already holds in a matching tensor is not read
+            now: the returned state dict holds the live tensor itself and ``(file, [(name, tensor)])`` is appended
+            to ``defer``; read it with :func:`fastckpt._live_targets.read_tensors` just before
+            ``load_state_dict`` (see :mod:`fastckpt._live_targets`).
 
     Raises:
         KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it); or a live
@@ -144,16 +159,35 @@ def read_optimizer_state(
     fresh: dict[str, torch.Tensor] = {}
     targets = []
     from ._dtypes import to_torch_dtype, torch_shape
+    from ._live_targets import live_optimizer_targets
     from ._tensors import destination_buffer
 
-    for name, dtype_name, shape, begin, end in entries.values():
+    reuse = {} if defer is None else live_optimizer_targets(
+        optimizer, _flat_fqns(optimizer, fqns, label), entries, path=path, map_location=map_location)
+    # map_location="cuda": state tensors (not ``step``) go straight to the device through pinned bounce buffers
+    device = torch.device(map_location) if map_location is not None else None
+    to_device = []
+    for name, dtype_name, shape, _begin, _end in entries.values():
+        if name in reuse:
+            fresh[name] = reuse[name]
+            continue
+        on_device = device is not None and device.type == "cuda" and name.startswith("state.") \
+            and not name.endswith(".step")
         t = torch.empty(torch_shape(dtype_name, shape, name=name, path=path),
-                        dtype=to_torch_dtype(dtype_name, name=name, path=path), device="cpu")
+                        dtype=to_torch_dtype(dtype_name, name=name, path=path), device=device if on_device else "cpu")
         fresh[name] = t
-        buf = destination_buffer(t)
+        buf = None if on_device else destination_buffer(t)
         if buf is not None:
             targets.append((name, buf))
+        elif on_device:
+            to_device.append((name, t))
     file.read_into(targets)
+    if to_device:
+        from ._device_load import read_to_device
+
+        read_to_device(file, to_device)
+    if reuse:
+        defer.append((file, list(reuse.items())))
 
     def resolve(key: str) -> torch.Tensor:
         try:
@@ -179,7 +213,8 @@ def read_optimizer_state(
         if source is None:
             hyper = {k: v for k, v in live_group.items() if k != "params"}
         else:
-            hyper = decode({k: v for k, v in saved_groups[source].items() if k != "params"}, tensors=resolve)
+            hyper = decode_json({k: v for k, v in saved_groups[source].items() if k != "params"},
+                                f"{path}: metadata 'param_groups'", tensors=resolve)
         groups.append({**hyper, "params": list(range(position, position + n))})
         position += n
 
@@ -194,7 +229,7 @@ def read_optimizer_state(
                 t = t.to(map_location)
             values[name] = t
         for name, encoded in extra.get(fqn, {}).items():
-            values[name] = decode(encoded, tensors=resolve)
+            values[name] = decode_json(encoded, f"{path}: metadata 'extra_state'", tensors=resolve)
         if values:
             state[index_of[fqn]] = values
     return {"state": state, "param_groups": groups}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._json_input import load_json
 from .errors import HeaderError
 
 __all__ = ["rng_payload", "RngState", "read_rng_state", "RngRestoreWarning"]
@@ -93,8 +94,8 @@ def read_rng_state(file: Any) -> RngState:
     metadata = file.metadata() or {}
     tensors = {k: v.clone() for k, v in load_file(path).items()}
     try:
-        py = json.loads(metadata["python"])
-        npm = json.loads(metadata["numpy"])
+        py = load_json(metadata["python"], f"{path}: metadata 'python'")
+        npm = load_json(metadata["numpy"], f"{path}: metadata 'numpy'")
         words = tensors["python"]
         keys = tensors["numpy"]
         state = RngState(
@@ -105,7 +106,9 @@ def read_rng_state(file: Any) -> RngState:
             cuda=[tensors[f"cuda.{i}"] for i in range(sum(k.startswith("cuda.") for k in tensors))],
             path=path,
         )
-    except (KeyError, ValueError, TypeError) as exc:
+    except HeaderError:
+        raise
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError) as exc:
         raise HeaderError(f"{path}: not a valid fastckpt random states file ({type(exc).__name__}: {exc})") from None
     if len(state.python[1]) != 625 or keys.numel() != 624:
         raise HeaderError(

@@ -189,8 +189,10 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
 @torch.no_grad()
 def apply_module_load(plan: ModelLoadPlan, *, threads: int = 0) -> None:
     """Copy the planned tensors into the live module: CPU contiguous tensors are filled straight from the file
-    by the core's parallel positional reads; others (CUDA, non-contiguous) go through a mapped view + copy_."""
+    by the core's parallel positional reads; CUDA tensors through pinned bounce buffers
+    (:mod:`fastckpt._device_load`); others (non-contiguous CPU) through a mapped view + copy_."""
     direct: dict[int, tuple[object, list]] = {}
+    to_device: dict[int, tuple[object, list]] = {}
     seen: set[tuple] = set()
     for dst, src, _name in plan.assignments:
         key = (dst.device, dst.data_ptr(), _view_key(dst))
@@ -202,6 +204,8 @@ def apply_module_load(plan: ModelLoadPlan, *, threads: int = 0) -> None:
         buf = destination_buffer(dst)
         if buf is not None:
             direct.setdefault(id(src.file), (src.file, []))[1].append((src.name, buf))
+        elif dst.device.type == "cuda":
+            to_device.setdefault(id(src.file), (src.file, []))[1].append((src.name, dst))
         else:
             view = memoryview(src.file)
             start = src.file.data_start
@@ -210,6 +214,11 @@ def apply_module_load(plan: ModelLoadPlan, *, threads: int = 0) -> None:
             dst.copy_(mapped)
     for file, targets in direct.values():
         file.read_into(targets, threads=threads)
+    if to_device:
+        from ._device_load import read_to_device
+
+        for file, targets in to_device.values():
+            read_to_device(file, targets, threads=threads)
 
 
 def load_into_module(module: torch.nn.Module, path: str, *, strict: bool = True) -> tuple[list[str], list[str]]:

@@ -9,16 +9,20 @@ checkpoint or the new complete one, never a mix.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from ._async import AsyncSave, finish_pending, submit
 from ._commit import write_checkpoint
+from ._integrity import verify_checkpoint
 from ._layout import next_checkpoint_dir, rotate_checkpoints
 from ._load_plan import plan_load, resolve_input_dir
 from ._save_plan import build_save_plan
+from ._snapshot import has_device_tensors
 
 __all__ = ["save_state", "load_state", "LoadResult"]
 
@@ -55,7 +59,10 @@ def save_state(
     step: int = 0,
     durable: bool = True,
     threads: int = 0,
-) -> Path:
+    max_shard_size: int | str | None = None,
+    compat: str | None = None,
+    async_save: bool = False,
+) -> Path | AsyncSave:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
     Mirrors ``accelerate.Accelerator.save_state``'s layout and file names without pickle; see
@@ -75,26 +82,51 @@ def save_state(
         step: a training step counter stored with the RNG states and in the manifest.
         durable: fsync every file and folder before returning (default True; False is faster, not crash-safe).
         threads: writer threads; 0 picks min(8, cores).
+        max_shard_size: None writes one file per model / optimizer; an int (bytes) or a string with Hugging Face's
+            units (``"10GB"`` = 10 * 10**9 bytes, ``"10GiB"`` = 10 * 2**30) splits larger ones into
+            ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json`` (likewise ``optimizer-...``),
+            written in parallel.
+        compat: None (fastckpt's pickle-free layout) or ``"accelerate"``: exactly the files
+            ``Accelerator.save_state`` writes (``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl`` are
+            pickles; ``model.safetensors`` unsharded) plus the manifest, so stock ``Accelerator.load_state``
+            restores it.
+        async_save: return as soon as the state is copied into a reused host buffer pool (for CUDA tensors: as
+            soon as the copies are enqueued on a side stream) and write the checkpoint on a background thread;
+            the checkpoint holds the values as of the call even if training keeps updating them. At most one
+            async save is in flight: a second one waits for the first to be written. See :mod:`fastckpt._async`.
 
     Returns:
-        The committed checkpoint folder.
+        The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._async.AsyncSave` handle whose
+        ``wait()`` returns it once committed.
 
     Raises:
         KeyMismatchError: an optimizer holds a parameter of no passed model (names its group and shape).
         DtypeError: a tensor dtype the format cannot store (names the tensor).
         TypeError: scheduler / optimizer state that cannot be stored without pickle (names its path).
+        ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``.
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
+        Exception: an earlier async save failed and its exception was not yet raised by ``wait()``: it is
+            raised here, once (this save is then not made).
 
     Example:
         >>> path = fastckpt.save_state(model, optimizer, scheduler, output_dir="ckpt")
         >>> fastckpt.save_state(model, model_only=True, output_dir="weights")
+        >>> handle = fastckpt.save_state(model, optimizer, output_dir="ckpt", async_save=True)
+        >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
+        >>> handle.wait()
     """
+    finish_pending(wait=not async_save)
     models = _as_list(model, "model")
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                           model_only=model_only, step=step)
+                           model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat)
     auto = output_dir is None
     root = Path(project_dir if project_dir is not None else os.getcwd())
     target = next_checkpoint_dir(root) if auto else Path(output_dir)
+    if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
+        write = functools.partial(write_checkpoint, durable=durable, threads=threads)
+        rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
+        handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
+        return handle if async_save else handle.wait()
     write_checkpoint(plan, target, durable=durable, threads=threads)
     if auto and total_limit is not None:
         rotate_checkpoints(root, total_limit)
@@ -112,8 +144,14 @@ def load_state(
     map_location: str | torch.device | None = None,
     project_dir: str | os.PathLike[str] | None = None,
     threads: int = 0,
+    trust_pickle: bool = False,
+    verify: bool = False,
 ) -> LoadResult:
-    """Restore a state saved by :func:`save_state`: validate everything first, then apply.
+    """Restore a state saved by :func:`save_state` (or by stock ``Accelerator.save_state``): validate, then apply.
+
+    A folder without ``fastckpt.json`` that holds accelerate's files (``model.safetensors`` or
+    ``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl``) is read as accelerate
+    wrote it; its optimizer state is keyed by position and must match the live ``param_groups``.
 
     Args:
         model: a module or a list (the same number as were saved, or fewer).
@@ -127,6 +165,11 @@ def load_state(
             live (model weights always land on their parameter's device; ``step`` where torch keeps it).
         project_dir: root for ``input_dir=None``; defaults to the current directory.
         threads: reader threads; 0 picks min(8, cores).
+        trust_pickle: accelerate's files only: they are read with ``torch.load(weights_only=True)`` and
+            accelerate's allowlist of numpy globals; True allows full unpickling for files that need it (a pickled
+            sampler, numpy scalars in a scheduler). Full unpickling can run arbitrary code.
+        verify: first read every file of the checkpoint and check the sizes and crc32c checksums recorded in
+            ``fastckpt.json`` (see :func:`fastckpt.verify_checkpoint`); nothing is applied if one differs.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -136,12 +179,16 @@ def load_state(
             checkpoint names the missing files); raised before anything is changed.
         KeyMismatchError: ``strict`` and model keys differ (both lists named), or optimizer coverage fails.
         ShapeMismatchError / DtypeError: a stored tensor does not fit its destination (no silent casts).
-        HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint.
+        HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint, or a shard index that disagrees with
+            its shards; a shard index naming absent shards raises MissingStateError listing all of them.
+        UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped.
     """
     folder = resolve_input_dir(input_dir, project_dir)
+    if verify:
+        verify_checkpoint(folder, threads=threads)
     plan = plan_load(folder, _as_list(model, "model"), _as_list(optimizer, "optimizer"),
                      _as_list(scheduler, "scheduler"), model_only=model_only, strict=strict,
-                     map_location=map_location)
+                     map_location=map_location, trust_pickle=trust_pickle)
     plan.apply(threads=threads)
     return LoadResult(plan.missing_keys, plan.unexpected_keys)

@@ -21,6 +21,9 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 #: subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "demo": "fastckpt.demo",
+    "convert": "fastckpt._cli_convert",
+    "verify": "fastckpt._cli_verify",
+    "inspect": "fastckpt._cli_inspect",
 }
 
 

@@ -131,7 +131,9 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
     // A damaged header: the whole-file sum is still computed, the tensors are unknown.
     bytes[8] = b'[';
     fs::write(&path, &bytes).unwrap();
-    let check = checksum_files(std::slice::from_ref(&path), 2, 512).unwrap().remove(0);
+    let check = checksum_files(std::slice::from_ref(&path), 2, 512)
+        .unwrap()
+        .remove(0);
     assert_eq!(check.checksums.file_crc32c, whole(&bytes));
     assert_eq!(check.checksums.file_size, bytes.len() as u64);
     assert!(check.checksums.tensors.is_empty());
@@ -139,7 +141,9 @@ fn damage_changes_only_the_damaged_tensor_and_the_file() {
 
     // A truncated file: the header error says so, with the numbers.
     fs::write(&path, &bytes[..5]).unwrap();
-    let check = checksum_files(std::slice::from_ref(&path), 1, 512).unwrap().remove(0);
+    let check = checksum_files(std::slice::from_ref(&path), 1, 512)
+        .unwrap()
+        .remove(0);
     assert_eq!(check.checksums.file_crc32c, whole(&bytes[..5]));
     assert_eq!(check.header_error.unwrap().kind(), "Truncated");
 }

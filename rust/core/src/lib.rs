@@ -34,4 +34,4 @@ pub use header::{parse_file, Header, TensorInfo};
 pub use layout::{serialize, FileLayout};
 pub use reader::SafetensorsFile;
 pub use source::TensorSource;
-pub use writer::{write_file, write_files, FileJob, WriteOptions, WriteStats};
+pub use writer::{write_file, write_files, FileJob, ReadyGate, WriteOptions, WriteStats};

@@ -148,6 +148,34 @@ impl SafetensorsFile {
         threads: usize,
         chunk_bytes: u64,
     ) -> Result<()> {
+        let mut ranges = Vec::with_capacity(targets.len());
+        for (name, buf) in targets {
+            let info = self.tensor(&name)?;
+            let want = info.end - info.begin;
+            if buf.len() as u64 != want {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: tensor {name:?} is {want} bytes ({} {:?}) but its target buffer is {} bytes",
+                    self.path.display(),
+                    info.dtype,
+                    info.shape,
+                    buf.len()
+                )));
+            }
+            ranges.push((name, 0, buf));
+        }
+        self.read_ranges_into(ranges, threads, chunk_bytes)
+    }
+
+    /// Fill each `(name, offset, target)` with bytes `[offset, offset + target.len())` of that tensor's data (a
+    /// part of a tensor: the pinned bounce buffers of a load to a GPU take a large tensor piece by piece), read
+    /// from the file in `chunk_bytes` pieces by `threads` workers. Unknown names are [`Error::KeyMismatch`]; a
+    /// range past the tensor's end is [`Error::InvalidArgument`]. Targets must not overlap each other.
+    pub fn read_ranges_into(
+        &self,
+        targets: Vec<(String, u64, &mut [u8])>,
+        threads: usize,
+        chunk_bytes: u64,
+    ) -> Result<()> {
         if chunk_bytes == 0 {
             return Err(Error::InvalidArgument(
                 "chunk_bytes must be at least 1".into(),
@@ -166,19 +194,22 @@ impl SafetensorsFile {
             })?;
         let mut jobs: Vec<Mutex<Option<ReadJob<'_>>>> = Vec::new();
         let mut names = Vec::with_capacity(targets.len());
-        for (name, buf) in targets {
+        for (name, offset, buf) in targets {
             let info = self.tensor(&name)?;
-            let want = info.end - info.begin;
-            if buf.len() as u64 != want {
+            let size = info.end - info.begin;
+            if offset
+                .checked_add(buf.len() as u64)
+                .is_none_or(|end| end > size)
+            {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: tensor {name:?} is {want} bytes ({} {:?}) but its target buffer is {} bytes",
+                    "{}: tensor {name:?} is {size} bytes ({} {:?}); bytes [{offset}, {offset} + {}) are past its end",
                     self.path.display(),
                     info.dtype,
                     info.shape,
                     buf.len()
                 )));
             }
-            let start = self.header.data_start + info.begin;
+            let start = self.header.data_start + info.begin + offset;
             for (k, piece) in buf.chunks_mut(chunk_bytes as usize).enumerate() {
                 jobs.push(Mutex::new(Some((
                     start + k as u64 * chunk_bytes,

@@ -129,3 +129,32 @@ impl Error {
         self.to_string().contains(&format!("{name:?}"))
     }
 }
+
+#[test]
+fn read_ranges_into_reads_parts_of_a_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, a, b) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    let (mut head, mut middle, mut tail) = (vec![0u8; 7], vec![0u8; 25_000], vec![0u8; 2]);
+    f.read_ranges_into(
+        vec![
+            ("a".into(), 0, &mut head[..]),
+            ("a".into(), 10_000, &mut middle[..]),
+            ("b".into(), 4, &mut tail[..]),
+        ],
+        3,
+        4096,
+    )
+    .unwrap();
+    assert_eq!(head, a[..7]);
+    assert_eq!(middle, a[10_000..35_000]);
+    assert_eq!(tail, b[4..]);
+    let mut past = [0u8; 3];
+    let e = f
+        .read_ranges_into(vec![("b".into(), 4, &mut past[..])], 1, 4096)
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)));
+    assert!(
+        e.to_string().contains("tensor \"b\" is 6 bytes") && e.to_string().contains("[4, 4 + 3)")
+    );
+}

@@ -29,6 +29,9 @@ pub struct WriteOptions {
     pub threads: usize,
     /// Bytes per positional write (and per gather buffer).
     pub chunk_bytes: u64,
+    /// Sources that are still being filled (a pinned buffer receiving device-to-host copies): each chunk first
+    /// waits here for the memory it reads. `None`: every source is ready.
+    pub ready: Option<ReadyGate>,
     /// Tests: every worker waits here after taking its first chunk (size it to the worker count).
     #[cfg(test)]
     pub(crate) start_barrier: Option<Arc<Barrier>>,
@@ -40,9 +43,25 @@ impl Default for WriteOptions {
             durable: true,
             threads: 0,
             chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
+            ready: None,
             #[cfg(test)]
             start_barrier: None,
         }
+    }
+}
+
+/// Called by a worker before it writes a chunk, with the `(address, length)` of the source memory of each of the
+/// chunk's contiguous pieces; returns once those bytes hold their final values (or an error, which fails the
+/// write). Lets chunk k be written while the copy of chunk k+1 into its source buffer is still running.
+#[derive(Clone)]
+pub struct ReadyGate(pub std::sync::Arc<ReadyFn>);
+
+/// The function a [`ReadyGate`] wraps.
+pub type ReadyFn = dyn Fn(&[(usize, usize)]) -> Result<()> + Send + Sync;
+
+impl std::fmt::Debug for ReadyGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReadyGate(..)")
     }
 }
 
@@ -146,6 +165,16 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
         let range = layout.chunk_range(k - first_chunk[f], chunk);
         let file_offset = layout.data_start() + range.start;
         let pieces: Vec<_> = layout.pieces(range).collect();
+        if let Some(gate) = &opts.ready {
+            let spans: Vec<(usize, usize)> = pieces
+                .iter()
+                .filter_map(|p| {
+                    let bytes = layout.tensors[p.tensor].contiguous_bytes()?;
+                    Some((bytes[p.start as usize..].as_ptr() as usize, p.len))
+                })
+                .collect();
+            (gate.0)(&spans)?;
+        }
         let gathered: usize = pieces
             .iter()
             .filter(|p| layout.tensors[p.tensor].contiguous_bytes().is_none())

@@ -176,3 +176,46 @@ fn the_same_target_twice_is_rejected() {
     assert_eq!(e.kind(), "InvalidArgument");
     assert_eq!(listing(dir.path()), Vec::<String>::new());
 }
+
+#[test]
+fn ready_gate_sees_every_contiguous_chunk_and_can_stop_the_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let a: Vec<u8> = (0..=255).cycle().take(10_000).collect();
+    let base = a.as_ptr() as usize;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let gated = WriteOptions {
+        ready: Some(ReadyGate(Arc::new(move |spans: &[(usize, usize)]| {
+            log.lock().unwrap().extend_from_slice(spans);
+            Ok(())
+        }))),
+        ..opts(3, 1024)
+    };
+    let s = vec![
+        src("a", Dtype::F32, &[50, 50], &a, None),
+        src("t", Dtype::F32, &[50, 50], &a, Some(vec![4, 200])),
+    ];
+    let path = dir.path().join("g.safetensors");
+    write_file(&path, s.clone(), None, &gated).unwrap();
+    assert_eq!(fs::read(&path).unwrap(), serialize(&s, None, 1).unwrap());
+    // Only the contiguous tensor is gated (the strided one is gathered from memory that is ready), every byte
+    // of it exactly once, in pieces of at most one chunk.
+    let mut spans = seen.lock().unwrap().clone();
+    spans.sort();
+    assert_eq!(spans.iter().map(|s| s.1).sum::<usize>(), a.len());
+    assert!(spans
+        .iter()
+        .all(|&(at, len)| at >= base && at + len <= base + a.len() && len <= 1024));
+
+    let failing = WriteOptions {
+        ready: Some(ReadyGate(Arc::new(|_: &[(usize, usize)]| {
+            Err(Error::InvalidArgument("not ready".into()))
+        }))),
+        ..opts(2, 1024)
+    };
+    let target = dir.path().join("f.safetensors");
+    let e = write_file(&target, s, None, &failing).unwrap_err();
+    assert_eq!(e.to_string(), "not ready");
+    assert!(!target.exists());
+    assert_eq!(listing(dir.path()), ["g.safetensors"]);
+}

@@ -147,6 +147,59 @@ impl SafetensorsFile {
         .map_err(to_py)
     }
 
+    /// Fill each `(name, offset, buffer)` target (writable, C-contiguous, not overlapping another) with the
+    /// tensor's bytes `[offset, offset + len(buffer))` by parallel positional reads, GIL released.
+    #[pyo3(signature = (targets, *, threads = 0))]
+    fn read_ranges(
+        &self,
+        py: Python<'_>,
+        targets: &Bound<'_, PyList>,
+        threads: usize,
+    ) -> PyResult<()> {
+        let mut held: Vec<(String, u64, PyUntypedBuffer)> = Vec::with_capacity(targets.len());
+        for item in targets.iter() {
+            let (name, offset, obj): (String, u64, Bound<'_, PyAny>) = item.extract()?;
+            let buf = PyUntypedBuffer::get(&obj)?;
+            if buf.readonly() || !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "{}: the target buffer for tensor {name:?} must be writable and C-contiguous",
+                    self.inner.path().display()
+                )));
+            }
+            held.push((name, offset, buf));
+        }
+        let spans: Vec<(usize, usize)> = held
+            .iter()
+            .map(|(_, _, b)| (b.buf_ptr() as usize, b.len_bytes()))
+            .collect();
+        if let Some(i) = overlap_rounds(&spans).iter().position(|&r| r > 0) {
+            return Err(PyValueError::new_err(format!(
+                "{}: the target buffer for tensor {:?} overlaps another target of the same call",
+                self.inner.path().display(),
+                held[i].0
+            )));
+        }
+        py.detach(|| {
+            let targets: Vec<(String, u64, &mut [u8])> = held
+                .iter()
+                .zip(&spans)
+                .map(|((name, offset, _), &(addr, len))| {
+                    let ptr = NonNull::new(addr as *mut u8)
+                        .filter(|_| len > 0)
+                        .unwrap_or(NonNull::dangling());
+                    // SAFETY: each buffer is exported (held in `held` until this call returns), writable and
+                    // C-contiguous, and no two overlap (checked above). Zero lengths use a dangling, aligned
+                    // pointer.
+                    let slice = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
+                    (name.clone(), *offset, slice)
+                })
+                .collect();
+            self.inner
+                .read_ranges_into(targets, threads, DEFAULT_CHUNK_BYTES)
+        })
+        .map_err(to_py)
+    }
+
     /// Drop the file handle; the mapping (and every view of it) stays valid.
     fn close(&self) {
         self.inner.close();

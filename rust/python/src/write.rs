@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::ptr::NonNull;
 
-use fastckpt_core::{Dtype, FileJob, TensorSource, WriteOptions, DEFAULT_CHUNK_BYTES};
+use std::sync::{Arc, Mutex};
+
+use fastckpt_core::{Dtype, FileJob, ReadyGate, TensorSource, WriteOptions, DEFAULT_CHUNK_BYTES};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -109,6 +111,39 @@ fn options(durable: bool, threads: usize, chunk_bytes: u64) -> WriteOptions {
         durable,
         threads,
         chunk_bytes,
+        ..WriteOptions::default()
+    }
+}
+
+/// A Python callable `ready(spans: list[tuple[int, int]]) -> None` as the core's [`ReadyGate`]: called from the
+/// writer's workers with the GIL taken for the call. Its exception is kept in `raised` (and re-raised by the
+/// caller) while the core sees a generic error that stops the write.
+fn python_gate(ready: Py<PyAny>, raised: Arc<Mutex<Option<PyErr>>>) -> ReadyGate {
+    ReadyGate(Arc::new(move |spans: &[(usize, usize)]| {
+        Python::attach(|py| ready.call1(py, (spans.to_vec(),)).map(|_| ())).map_err(|e| {
+            let msg = format!("the ready callback raised {e}");
+            raised.lock().expect("gate lock").get_or_insert(e);
+            fastckpt_core::Error::InvalidArgument(msg)
+        })
+    }))
+}
+
+/// `options` plus the `ready` gate; run `write` and prefer the callback's own exception to the core's error.
+fn with_gate<T>(
+    opts: WriteOptions,
+    ready: Option<Py<PyAny>>,
+    write: impl FnOnce(&WriteOptions) -> PyResult<T>,
+) -> PyResult<T> {
+    let raised = Arc::new(Mutex::new(None));
+    let opts = WriteOptions {
+        ready: ready.map(|r| python_gate(r, raised.clone())),
+        ..opts
+    };
+    let result = write(&opts);
+    let callback_error = raised.lock().expect("gate lock").take();
+    match callback_error {
+        Some(e) if result.is_err() => Err(e),
+        _ => result,
     }
 }
 
@@ -162,30 +197,36 @@ fn run_write_files(
 
 /// Write several files in one parallel pass; returns each file's size. See `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608, ready = None))]
 pub fn write_files(
     py: Python<'_>,
     jobs: &Bound<'_, PyAny>,
     durable: bool,
     threads: usize,
     chunk_bytes: u64,
+    ready: Option<Py<PyAny>>,
 ) -> PyResult<Vec<u64>> {
-    let stats = run_write_files(py, jobs, &options(durable, threads, chunk_bytes))?;
+    let stats = with_gate(options(durable, threads, chunk_bytes), ready, |o| {
+        run_write_files(py, jobs, o)
+    })?;
     Ok(stats.file_sizes)
 }
 
 /// `write_files`, also returning each file's crc32c checksums, summed while the bytes were written.
 /// See `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608))]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608, ready = None))]
 pub fn write_files_checked(
     py: Python<'_>,
     jobs: &Bound<'_, PyAny>,
     durable: bool,
     threads: usize,
     chunk_bytes: u64,
+    ready: Option<Py<PyAny>>,
 ) -> PyResult<Vec<FileDigest>> {
-    let stats = run_write_files(py, jobs, &options(durable, threads, chunk_bytes))?;
+    let stats = with_gate(options(durable, threads, chunk_bytes), ready, |o| {
+        run_write_files(py, jobs, o)
+    })?;
     Ok(stats
         .checksums
         .into_iter()
