@@ -35,8 +35,8 @@ lint:  ## rustfmt, clippy, ruff
 	cargo clippy --all-targets -- -D warnings
 	$(PY) -m ruff check python tests benches
 
-bench: install-test  ## benchmark suite against accelerate (writes benches/RESULTS.md)
-	$(PY) -m pytest benches --benchmark-enable -s
+bench: install-test  ## benchmark suite: every contender alternated, prints the table, writes benches/RESULTS.md
+	$(PY) benches/run.py
 
 wheel: $(PY)  ## build the abi3 wheel into dist/
 	$(PY) -m pip install -q maturin

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pathlib
 import shutil
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class Contender:
         setup: untimed, before each run.
         teardown: untimed, after each run.
         gpt_only: needs an optimizer (skipped on the single-tensor workload).
+        peer: measured only on workloads with ``peers`` set.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Contender:
     setup: Callable[[Bench], None] | None = None
     teardown: Callable[[Bench], None] | None = None
     gpt_only: bool = False
+    peer: bool = False
 
     @property
     def label(self) -> str:
@@ -87,7 +90,7 @@ def _fresh_out(name: str) -> Callable[[Bench], None]:
     def setup(b: Bench) -> None:
         shutil.rmtree(b.out(name), ignore_errors=True)
         b.out(name).parent.mkdir(parents=True, exist_ok=True)
-        drop_caches([])
+        os.sync()  # no writeback of an earlier contender's files runs during this one
 
     return setup
 
@@ -200,8 +203,8 @@ def _save_contenders() -> list[Contender]:
         fast(True, "fastckpt save_state model_only"),
         Contender(names[1], "save", fast_async, setup=_fresh_out(names[1])),
         Contender(names[2], "save", accelerate_save, setup=_fresh_out(names[2])),
-        Contender(names[3], "save", safetensors_save, moves="model", setup=_fresh_out(names[3])),
-        Contender(names[4], "save", torch_save, setup=_fresh_out(names[4])),
+        Contender(names[3], "save", safetensors_save, moves="model", setup=_fresh_out(names[3]), peer=True),
+        Contender(names[4], "save", torch_save, setup=_fresh_out(names[4]), peer=True),
         Contender("memcpy of the state", "copy", memcpy),
     ]
 
@@ -266,13 +269,13 @@ def _load_contenders() -> list[Contender]:
         ]
     out += [
         Contender("fastckpt load_state fresh", "load", fast_fresh, cache="cold", setup=fast_fresh_setup("cold"),
-                  teardown=drop_fresh),
+                  teardown=drop_fresh, peer=True),
         Contender("fastckpt.torch.load_file lazy", "load", fast_lazy, cache="cold", moves="model",
-                  setup=_cache("cold", "fastckpt")),
+                  setup=_cache("cold", "fastckpt"), peer=True),
         Contender("safetensors load_file", "load", safetensors_load, cache="cold", moves="model",
-                  setup=_cache("cold", "safetensors")),
+                  setup=_cache("cold", "safetensors"), peer=True),
         Contender("torch.load mmap", "load", torch_load, cache="cold", setup=_cache("cold", "torch"),
-                  teardown=_restore_target),
+                  teardown=_restore_target, peer=True),
     ]
     return out
 
@@ -280,11 +283,12 @@ def _load_contenders() -> list[Contender]:
 def contenders(workload: Workload) -> list[Contender]:
     """The contenders that apply to ``workload`` (the single tensor has no optimizer and no tied weights)."""
     every = _save_contenders() + _load_contenders()
-    return [c for c in every if not (c.gpt_only and workload.single_tensor)]
+    return [c for c in every if not (c.gpt_only and workload.single_tensor) and (workload.peers or not c.peer)]
 
 
 def prepare_sources(b: Bench) -> None:
-    """Write the checkpoints the loads read (one per format) and the raw baseline's file, durably."""
+    """Write the checkpoints the loads read (one per format; safetensors and torch.save only for workloads with
+    ``peers``) and the raw baseline's file, durably."""
     from safetensors.torch import save_file
 
     src = b.root / "src"
@@ -293,15 +297,16 @@ def prepare_sources(b: Bench) -> None:
     b.sources["fastckpt"] = fastckpt.save_state(*b.state.objects, output_dir=src / "fastckpt")
     b.sources["accelerate"] = src / "accelerate"
     _accelerator(b, "save").save_state(str(src / "accelerate"))
-    b.sources["safetensors"] = src / "safetensors"
-    b.sources["safetensors"].mkdir()
-    save_file(_untied(b.state.model), str(src / "safetensors" / "model.safetensors"))
-    b.sources["torch"] = src / "torch"
-    b.sources["torch"].mkdir()
-    obj = {"model": b.state.model.state_dict()}
-    if b.state.optimizer is not None:
-        obj["optimizer"] = b.state.optimizer.state_dict()
-    torch.save(obj, src / "torch" / "state.pt")
+    if b.workload.peers:
+        b.sources["safetensors"] = src / "safetensors"
+        b.sources["safetensors"].mkdir()
+        save_file(_untied(b.state.model), str(src / "safetensors" / "model.safetensors"))
+        b.sources["torch"] = src / "torch"
+        b.sources["torch"].mkdir()
+        obj = {"model": b.state.model.state_dict()}
+        if b.state.optimizer is not None:
+            obj["optimizer"] = b.state.optimizer.state_dict()
+        torch.save(obj, src / "torch" / "state.pt")
     b.sources["raw"] = src / "raw.bin"
     raw_write(state_tensors(b.state), b.sources["raw"])
     fsync_tree(src)

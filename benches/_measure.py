@@ -116,23 +116,30 @@ def dir_bytes(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in _files(path))
 
 
-def drop_caches(paths: list[pathlib.Path]) -> str:
-    """Make the next read of ``paths`` come from the disk. Returns how: ``"drop_caches"`` (root: the whole page
-    cache, after ``sync``) or ``"fadvise"`` (``POSIX_FADV_DONTNEED`` on each clean file)."""
+def drop_caches(paths: list[pathlib.Path], *, whole: bool = False) -> str:
+    """Make the next read of ``paths`` come from the disk. Returns how.
+
+    ``"fadvise"`` (the default): ``sync``, then ``POSIX_FADV_DONTNEED`` on every file under ``paths``: a cold
+    checkpoint in a process whose code is warm, as for a job that resumes. ``whole=True`` (root only, else it falls
+    back to fadvise): ``echo 3 > /proc/sys/vm/drop_caches``, which also evicts the libraries' code pages, so the
+    first calls after it page code back in from the disk (a cost no checkpoint format controls).
+    """
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return "drop_caches"
-    except OSError:
-        for path in paths:
-            for p in _files(path):
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        return "fadvise"
+    if whole:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3")
+            return "drop_caches"
+        except OSError:
+            pass
+    for path in paths:
+        for p in _files(path):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
 
 
 def warm_cache(paths: list[pathlib.Path]) -> None:

@@ -27,11 +27,14 @@ class Workload:
         name: ``"gpt-1GB"`` ...; ``"tensor-2GB"`` for the single tensor.
         config: the GPT shape; None for the single-tensor workload.
         tensor_numel: elements (fp32) of the single tensor.
+        peers: also measure the peers that are not on every workload (safetensors, torch.save / torch.load,
+            fastckpt's lazy and fresh-object loads), to keep the default run short.
     """
 
     name: str
     config: GPTConfig | None = None
     tensor_numel: int = 0
+    peers: bool = False
 
     @property
     def single_tensor(self) -> bool:
@@ -46,11 +49,11 @@ def _gpt(n_layer: int, n_embd: int, vocab: int) -> GPTConfig:
 #: name -> workload; total state = 12 bytes per parameter (weights + two AdamW moments, fp32).
 WORKLOADS: dict[str, Workload] = {
     "gpt-256MB": Workload("gpt-256MB", _gpt(6, 512, 8192)),       # 23.6M params, 0.28 GB of state
-    "gpt-1GB": Workload("gpt-1GB", _gpt(6, 1024, 16384)),         # 93.4M params, 1.12 GB
+    "gpt-1GB": Workload("gpt-1GB", _gpt(6, 1024, 16384), peers=True),  # 93.4M params, 1.12 GB
     "gpt-2GB": Workload("gpt-2GB", _gpt(12, 1024, 32768)),        # 185M params, 2.2 GB
     "gpt-4GB": Workload("gpt-4GB", _gpt(12, 1536, 32768)),        # 392M params, 4.7 GB
     "gpt-8GB": Workload("gpt-8GB", _gpt(12, 2048, 32768)),        # 672M params, 8.1 GB
-    "tensor-2GB": Workload("tensor-2GB", tensor_numel=512 << 20),  # one fp32 tensor of 2 GiB
+    "tensor-2GB": Workload("tensor-2GB", tensor_numel=512 << 20, peers=True),  # one fp32 tensor of 2 GiB
 }
 DEFAULT_WORKLOADS = ["gpt-256MB", "gpt-1GB", "gpt-2GB", "tensor-2GB"]
 LARGE_WORKLOADS = ["gpt-4GB", "gpt-8GB"]

@@ -227,11 +227,16 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
     from benches._measure import machine_description
 
-    lines = [f"Machine: {machine_description(pathlib.Path(args.dir))}. {args.rounds} rounds, medians, GB = 1e9 bytes.",
-             "", "| contender | GB | returned s | done s | GB/s (done) |", "|---|---:|---:|---:|---:|"]
+    lines = [f"Machine: {machine_description(pathlib.Path(args.dir))}. {args.rounds} rounds, medians, GB = 1e9 bytes; "
+             "x raw: the raw write's (saves) or cold raw read's (loads) done time over this one's, per round, median.",
+             "", "| contender | GB | returned s | done s | GB/s (done) | x raw |", "|---|---:|---:|---:|---:|---:|"]
+    raw = {"save": next((d for n, _, d, _ in rows if n.startswith("raw write")), None),
+           "load": next((d for n, _, d, _ in rows if n.startswith("raw read")), None)}
     for name, returned, done, nbytes in rows:
         r, d = statistics.median(returned), statistics.median(done)
-        lines.append(f"| {name} | {nbytes / 1e9:.2f} | {r:.3f} | {d:.3f} | {nbytes / 1e9 / d:.2f} |")
+        base = raw["load" if "load" in name else "save"] if ("save" in name or "load" in name) else None
+        ratio = f"{statistics.median(b / x for b, x in zip(base, done)):.2f}x" if base else ""
+        lines.append(f"| {name} | {nbytes / 1e9:.2f} | {r:.3f} | {d:.3f} | {nbytes / 1e9 / d:.2f} | {ratio} |")
     print("\n".join(lines), flush=True)
     if os.environ.get("OUT"):
         payload = {"ok": ok, "table": lines, "rows": [(n, r, d, b) for n, r, d, b in rows]}

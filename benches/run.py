@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benches._contenders import Bench, Contender, contenders, prepare_sources  # noqa: E402
-from benches._measure import drop_caches, machine_description  # noqa: E402
+from benches._measure import machine_description  # noqa: E402
 from benches._report import Row, round_table, summarize, table, targets  # noqa: E402
 from benches._workloads import (  # noqa: E402
     DEFAULT_WORKLOADS,
@@ -119,7 +119,6 @@ def run_workload(name: str, root: pathlib.Path, rounds: int, only: list[str], lo
         bench.extras[key].free_memory()
     del bench
     gc.collect()
-    drop_caches([])
     log(f"== {name} took {time.perf_counter() - t0:.0f} s")
     return [row for row in rows.values() if row.timings], notes
 

@@ -16,7 +16,7 @@ COUNTS: Counter[str] = Counter()
 
 #: test modules whose failures mean something may have been lost
 FAULT_MODULES = ("test_crash_kill", "test_concurrent_saves", "test_integrity", "test_hostile_files",
-                 "test_resource_faults")
+                 "test_resource_faults", "test_staging", "test_hostile_checkpoints")
 
 
 def record(kind: str, n: int = 1) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _crash_worker import BigNet, build_state
 
 import fastckpt
-from _crash_worker import BigNet, build_state
 from fastckpt._staging import leftovers
 
 WORKER = Path(__file__).parent / "_crash_worker.py"

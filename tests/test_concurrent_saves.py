@@ -20,15 +20,11 @@ import time
 
 import pytest
 import torch
-
-import fastckpt
-import fastckpt.torch as ft
 from _crash_worker import build_state
 from _fault_log import record
 from _procs import (
     finish,
     go,
-    link_copy,
     owned_leftovers,
     requires_strace,
     start_worker,
@@ -38,6 +34,9 @@ from _procs import (
     worker_env,
 )
 from conftest import make_tiny
+
+import fastckpt
+import fastckpt.torch as ft
 
 MB = 16
 SEEDS = {"a": 101, "b": 202, "old": 303}
@@ -65,7 +64,7 @@ def _race(target, *flags: str, strace: list[str] | None = None) -> list[str]:
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new_folder", "existing_folder"])
 def test_c18_two_processes_save_to_one_output_dir(tmp_path, existing):
-    """Both workers are held 0.5 s at the entry of their commit (strace), after each looked at the target: for a
+    """Both workers are held 1.5 s at the entry of their commit (strace), after each looked at the target: for a
     new folder both saw none and both rename, so the second rename meets a non-empty folder and must retry as an
     exchange; for an existing folder both exchange in turn."""
     target = tmp_path / "out"
@@ -73,7 +72,7 @@ def test_c18_two_processes_save_to_one_output_dir(tmp_path, existing):
         model, opt, sched = build_state(SEEDS["old"], MB)
         fastckpt.save_state(model, opt, sched, output_dir=target)
     commit = ("renameat2", 1) if existing else ("rename", 4)  # rename 1-3: the files inside the staging folder
-    hold = strace_prefix(commit[0], f"delay_enter=500000:when={commit[1]}") if shutil.which("strace") else None
+    hold = strace_prefix(commit[0], f"delay_enter=1500000:when={commit[1]}") if shutil.which("strace") else None
     _race(target, "--threads", "1", strace=hold)
     winner = which_state(target, MB, {"a": SEEDS["a"], "b": SEEDS["b"]})
     assert owned_leftovers(tmp_path) == []
@@ -97,11 +96,11 @@ def test_c18_two_processes_with_automatic_naming(tmp_path):
 
 @requires_strace
 def test_a_live_staging_folder_is_never_touched(tmp_path):
-    """A worker stalls 2 s in its first fsync (mid-save, staging folder full of data); meanwhile this process saves
+    """A worker stalls 3 s in its first fsync (mid-save, staging folder full of data); meanwhile this process saves
     into the same parent, which cleans leftovers: the live staging folder survives and the worker commits."""
     target = tmp_path / "slow"
     proc = start_worker(SEEDS["a"], MB, target, "--threads", "1",
-                        strace=strace_prefix("fsync", "delay_enter=2000000:when=1"))
+                        strace=strace_prefix("fsync", "delay_enter=3000000:when=1"))
     wait_ready(proc)
     for _ in range(200):  # until its staging folder holds the written files
         live = owned_leftovers(tmp_path)

@@ -13,8 +13,6 @@ import time
 
 import numpy as np
 import pytest
-
-import fastckpt
 from _crc32c_ref import crc32c, crc32c_hex
 from _fault_log import record
 from conftest import (
@@ -26,6 +24,8 @@ from conftest import (
     tensor_order,
     train,
 )
+
+import fastckpt
 from fastckpt import _core
 from fastckpt.cli import main as cli
 

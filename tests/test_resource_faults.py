@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-import fastckpt
 from _crash_worker import build_state
 from _fault_log import record
 from _procs import finish, owned_leftovers, requires_strace, start_worker, strace_prefix, which_state
 from conftest import make_tiny
+
+import fastckpt
 
 MB = 2
 SEEDS = {"old": 7, "new": 8}
@@ -137,24 +137,40 @@ def test_permission_error_in_a_process_without_privileges(shared_dir, parent_mod
 #: (syscall, strace injection, errno expected, what the message names)
 INJECTED = [
     ("pwritev", "error=EIO:when=2", errno.EIO, "writing"),  # a data chunk
-    ("fallocate", "error=ENOSPC:when=2", errno.ENOSPC, "preallocating"),  # the second file
     ("fsync", "error=EIO:when=1", errno.EIO, "fsyncing"),  # the first file
     ("write", "error=ENOSPC:when=4", errno.ENOSPC, "scheduler.json"),  # after "ready" and the lock's pid
     ("renameat2", "error=EIO:when=1", errno.EIO, "exchanging"),  # the commit
 ]
 
 
+@pytest.fixture(scope="module")
+def injected(tmp_path_factory):
+    """{syscall: (parent folder, checkpoint, worker)} for every INJECTED entry, all started at once."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    runs = {}
+    for syscall, inject, _, _ in INJECTED:
+        parent = tmp_path_factory.mktemp(f"inject-{syscall}")
+        ckpt = _save_old(parent / "ckpt")
+        runs[syscall] = (parent, ckpt, start_worker(SEEDS["new"], MB, ckpt, "--threads", "1",
+                                                    strace=strace_prefix(syscall, inject)))
+    yield runs
+    for _, _, proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        finish(proc)
+
+
 @requires_strace
 @pytest.mark.parametrize(("syscall", "inject", "code", "named"), INJECTED, ids=[i[0] for i in INJECTED])
-def test_io_error_injected_mid_save(tmp_path, syscall, inject, code, named):
-    ckpt = _save_old(tmp_path / "ckpt")
-    rc, out, err = finish(start_worker(SEEDS["new"], MB, ckpt, "--threads", "1",
-                                       strace=strace_prefix(syscall, inject)))
+def test_io_error_injected_mid_save(injected, syscall, inject, code, named):
+    parent, ckpt, proc = injected[syscall]
+    rc, out, err = finish(proc)
     assert rc == 3, (rc, out, err)
     kind, got, message = out[-1].split(" ", 3)[1:]
     assert (kind, int(got)) == ("OSError", code), out
-    assert named in message and str(tmp_path) in message, message
-    _assert_nothing_left(tmp_path, ["ckpt"])
+    assert named in message and str(parent) in message, message
+    _assert_nothing_left(parent, ["ckpt"])
     assert which_state(ckpt, MB, SEEDS) == "old"
-    fastckpt.save_state(make_tiny(2), output_dir=tmp_path / "after", model_only=True)  # the folder still works
+    fastckpt.save_state(make_tiny(2), output_dir=parent / "after", model_only=True)  # the folder still works
     record("faults")

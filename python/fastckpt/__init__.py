@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+from ._async import AsyncSave
 from ._integrity import VerifyReport, check_checkpoint, verify_checkpoint
 from ._layout import latest_checkpoint
 from ._rng import RngRestoreWarning
@@ -46,6 +47,7 @@ __all__ = [
     "check_checkpoint",
     "VerifyReport",
     "LoadResult",
+    "AsyncSave",
     "RngRestoreWarning",
     "CheckpointError",
     "HeaderError",

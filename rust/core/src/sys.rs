@@ -1,5 +1,6 @@
 //! The few system calls std does not offer: vectored positional writes, preallocation, directory fsync,
-//! `renameat2(RENAME_EXCHANGE)`, the process umask-free mode of an existing file.
+//! `renameat2(RENAME_EXCHANGE)`, the process umask-free mode of an existing file, a non-blocking open that
+//! refuses anything but a regular file.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -106,6 +107,22 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
         io::ErrorKind::InvalidInput,
         format!("not a regular file ({what})"),
     ))
+}
+
+/// Ask the kernel to start writing `len` bytes at `offset` of `file` to the disk now (`sync_file_range` with
+/// `SYNC_FILE_RANGE_WRITE`), without waiting for it. A durable write calls this after each chunk so that the
+/// disk works while later chunks are still being copied into the page cache, and the final fsync finds most
+/// of the file already written. Only a hint: file systems that do not support it are ignored.
+pub fn start_writeback(file: &File, offset: u64, len: u64) {
+    // SAFETY: plain syscall on an fd owned by `file`; no memory is passed. Errors are ignored on purpose.
+    unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
 }
 
 /// fsync a folder, so that a rename or a new entry in it is durable.

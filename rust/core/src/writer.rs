@@ -216,7 +216,11 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 "writing {} bytes at offset {file_offset}",
                 range_len(&parts)
             ),
-        )
+        )?;
+        if opts.durable {
+            sys::start_writeback(&temp.file, file_offset, range_len(&parts) as u64);
+        }
+        Ok(())
     })?;
     let mut crcs = crcs.into_iter().map(|c| c.into_inner().unwrap_or_default());
     let checksums = layouts

@@ -32,7 +32,7 @@ fn every_regression_file_is_refused_cleanly_or_read_consistently() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let outcome = std::panic::catch_unwind(|| {
             hostile::check_header(&data);
-            hostile::check_reader(dir.path(), &data);
+            hostile::check_reader(dir.path(), &data, 2);
         });
         assert!(outcome.is_ok(), "{name} broke an invariant");
     }
@@ -43,7 +43,7 @@ fn seeds_are_valid_files() {
     let dir = tempfile::tempdir().unwrap();
     for seed in mutate::seeds() {
         assert!(hostile::check_header(&seed).is_some());
-        hostile::check_reader(dir.path(), &seed);
+        hostile::check_reader(dir.path(), &seed, 2);
     }
 }
 
@@ -64,7 +64,7 @@ fn mutants(runs: u64, reader_every: u64, seed: u64) -> BTreeMap<&'static str, u6
         };
         hostile::check_header(&input);
         if i % reader_every == 0 {
-            hostile::check_reader(dir.path(), &input);
+            hostile::check_reader(dir.path(), &input, 2);
         }
         *outcomes.entry(kind).or_insert(0) += 1;
     }

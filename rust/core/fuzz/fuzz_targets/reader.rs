@@ -13,5 +13,5 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let dir = DIR.get_or_init(|| {
         tempfile::tempdir_in("/dev/shm").unwrap_or_else(|_| tempfile::tempdir().unwrap())
     });
-    hostile::check_reader(dir.path(), data);
+    hostile::check_reader(dir.path(), data, 1);
 });
