@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     header = [
         "## Results", "",
-        f"{started}, {time.perf_counter() - t0:.0f} s: `python benches/run.py {' '.join(argv or sys.argv[1:])}`",
+        f"{started}, {time.perf_counter() - t0:.0f} s: `{' '.join(['python benches/run.py', *(argv or sys.argv[1:])])}`",
         "",
         f"Machine: {machine_description(pathlib.Path(args.dir))}; accelerate {accelerate.__version__}, "
         f"safetensors {safetensors.__version__}. {args.rounds} rounds, contenders alternated; medians; GB = 1e9 "
