@@ -6,7 +6,9 @@ Converts a checkpoint folder between layouts (see :mod:`fastckpt._convert`); ``D
 returns the model, a list of models, or a ``(models, optimizers)`` pair: with it, accelerate's positional optimizer
 state is keyed by parameter fqn; without it the keys stay positional and the manifest says so.
 
-Exit status: 0 converted, 2 the source could not be read or did not fit the model (the error is printed).
+Exit status: 0 converted; 1 the source is damaged (an ``IntegrityError``: it does not match the checksums in its
+``fastckpt.json``); 2 usage error (e.g. DST is SRC, inside it, or contains it), or the source could not be read or did
+not fit the model. The error is printed; on 1 and 2 nothing is written.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, IntegrityError
 
 __all__ = ["HELP", "add_arguments", "run", "load_factory"]
 
 HELP = "convert a checkpoint folder between fastckpt's layout, accelerate's, and a Hugging Face model folder"
+EPILOG = ("exit status: 0 converted; 1 the source is damaged (does not match its recorded checksums); "
+          "2 usage error (DST is SRC, inside it, or contains it), or the source is unreadable or does not fit --model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         models, optimizers = load_factory(args.model) if args.model else (None, None)
         snap = convert(Path(args.src), Path(args.dst), to=args.to, models=models, optimizers=optimizers,
                        max_shard_size=shard, trust_pickle=args.trust_pickle)
+    except IntegrityError as exc:
+        print(f"IntegrityError: {exc}", file=sys.stderr)
+        return 1
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,10 @@
 For a checkpoint folder: the manifest's mode, step, versions and part counts; every file with its size and crc32c;
 then, for every safetensors file, its tensors (name, dtype, shape, bytes) in file order and its metadata keys.
 For a lone ``.safetensors`` file: its tensors and metadata. Only headers are read (each is fully validated).
-``--json`` prints the same as one JSON object.
+``--json`` prints the same as one JSON object. In the tables, names holding control or other non-printable characters
+are printed escaped (``a\x1b[31m`` as ``a\\x1b[31m``), so a hostile file cannot drive the terminal.
+
+Exit status: 0 shown; 1 a malformed checkpoint or file; 2 not a checkpoint, unreadable, or a usage error.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from . import _core
 from ._layout import MANIFEST, checkpoint_layout, read_manifest
 from .errors import CheckpointError
 
-__all__ = ["HELP", "add_arguments", "run", "describe"]
+__all__ = ["HELP", "EPILOG", "add_arguments", "run", "describe"]
 
 HELP = "show what a checkpoint folder or safetensors file holds: parts, tensors, dtypes, shapes, sizes, mode"
+EPILOG = "exit status: 0 shown; 1 a malformed checkpoint or file; 2 not a checkpoint, unreadable, or a usage error"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +42,11 @@ def _human(n: int) -> str:
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return f"{n} B"  # pragma: no cover
+
+
+def _safe(text: str) -> str:
+    """``text`` for a terminal: unchanged when printable, else with every non-printable character escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
@@ -75,16 +84,17 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _print_tensors(desc: dict[str, Any], limit: int) -> None:
     tensors = desc["tensors"]
     total = sum(t["bytes"] for t in tensors)
-    print(f"\n{desc['file']}: {len(tensors)} tensors, {total:,} bytes of data ({_human(total)})")
+    print(f"\n{_safe(desc['file'])}: {len(tensors)} tensors, {total:,} bytes of data ({_human(total)})")
     if desc["metadata"]:
-        keys = ", ".join(sorted(desc["metadata"]))
+        keys = ", ".join(_safe(k) for k in sorted(desc["metadata"]))
         print(f"  metadata keys: {keys if len(keys) < 200 else keys[:200] + '...'}")
     shown = tensors if limit <= 0 else tensors[:limit]
     if shown:
-        width = max(len(t["name"]) for t in shown)
-        for t in shown:
+        names = [_safe(t["name"]) for t in shown]
+        width = max(map(len, names))
+        for name, t in zip(names, shown):
             shape = "[" + ", ".join(map(str, t["shape"])) + "]"
-            print(f"  {t['name']:<{width}}  {t['dtype']:<11} {shape:<18} {t['bytes']:>14,} B")
+            print(f"  {name:<{width}}  {t['dtype']:<11} {shape:<18} {t['bytes']:>14,} B")
     if len(shown) < len(tensors):
         print(f"  ... and {len(tensors) - len(shown)} more (--limit 0 shows all)")
 
@@ -103,19 +113,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(desc, indent=2))
         return 0
     if desc["kind"] == "safetensors file":
-        print(f"{desc['path']}: safetensors file, {desc['bytes']:,} bytes ({_human(desc['bytes'])})")
+        print(f"{_safe(desc['path'])}: safetensors file, {desc['bytes']:,} bytes ({_human(desc['bytes'])})")
         _print_tensors(desc, args.limit)
         return 0
-    print(f"{desc['path']}: checkpoint, layout {desc['layout']}")
+    print(f"{_safe(desc['path'])}: checkpoint, layout {desc['layout']}")
     facts = [f"{k} {desc[k]}" for k in ("mode", "step", "models", "optimizers", "schedulers", "format_version",
                                          "fastckpt_version") if k in desc]
     if facts:
         print("  " + ", ".join(facts))
-    width = max((len(f["file"]) for f in desc["files"]), default=4)
+    width = max((len(_safe(f["file"])) for f in desc["files"]), default=4)
     print(f"\n{len(desc['files'])} files:")
     for f in desc["files"]:
         crc = f"crc32c {f['crc32c']}" if f["crc32c"] else "no checksum"
-        print(f"  {f['file']:<{width}}  {f['bytes']:>14,} B  {crc}")
+        print(f"  {_safe(f['file']):<{width}}  {f['bytes']:>14,} B  {crc}")
     for tf in desc["tensor_files"]:
         _print_tensors(tf, args.limit)
     return 0

@@ -5,7 +5,8 @@ released) and its size, crc32c, and each tensor's crc32c are compared with the m
 tensor is named. For a lone ``.safetensors`` file, which records no checksums, the header is validated and every
 byte read (a truncated or malformed file is reported), and its crc32c printed.
 
-Exit status: 0 intact, 1 damaged (an ``IntegrityError`` or a malformed file), 2 not a checkpoint or unreadable.
+Exit status: 0 intact, 1 damaged (an ``IntegrityError`` or a malformed file), 2 not a checkpoint, unreadable, or a
+usage error (e.g. ``--threads -3``).
 """
 
 from __future__ import annotations
@@ -18,15 +19,28 @@ from . import _core
 from ._integrity import check_checkpoint, crc_hex
 from .errors import CheckpointError, HeaderError, MissingStateError
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "EPILOG", "add_arguments", "run", "non_negative_int"]
 
 HELP = "check a checkpoint folder (sizes, crc32c per file and per tensor) or a safetensors file, naming any damage"
+EPILOG = ("exit status: 0 intact; 1 damaged (an IntegrityError, or a malformed file); "
+          "2 not a checkpoint, unreadable, or a usage error")
+
+
+def non_negative_int(text: str) -> int:
+    """``argparse`` type for counts such as ``--threads``: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``fastckpt verify`` flags (see :mod:`fastckpt.cli`)."""
     parser.add_argument("path", metavar="DIR|FILE", help="a checkpoint folder, or one .safetensors file")
-    parser.add_argument("--threads", type=int, default=0, help="reader threads (default 0: min(8, cores))")
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="reader threads (default 0: min(8, cores))")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only problems and the summary line")
 
 

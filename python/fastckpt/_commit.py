@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from ._save_plan import SavePlan
 from ._staging import OwnedPath, clean_leftovers
 from ._tensors import tensor_sources
 
-__all__ = ["write_checkpoint", "write_text", "fsync_dir"]
+__all__ = ["check_target", "write_checkpoint", "write_text", "fsync_dir"]
 
 _LAYOUT_BASES = {"model", "optimizer", "scheduler", "random_states", "pytorch_model", "custom_checkpoint",
                  "scaler", "sampler", "dl_state_dict"}
@@ -108,6 +109,36 @@ def _carry_foreign_entries(target: Path, staging: Path) -> None:
             continue
 
 
+def check_target(output_dir: str | os.PathLike[str]) -> Path:
+    """The absolute folder a save will replace, refused before anything is written when replacing it would lose
+    data: an existing file (not a folder), a folder holding the current working directory (``"."``, ``".."``,
+    ``os.getcwd()``), the file system root, or an empty path. A symlink to a folder is followed, so the link
+    keeps pointing at the new checkpoint.
+
+    Raises:
+        ValueError: an empty path, the root, or a folder that contains the current working directory.
+        NotADirectoryError: the path exists and is not a folder (nothing is touched).
+    """
+    if os.fspath(output_dir) == "":
+        raise ValueError("output_dir is an empty path; name the checkpoint folder")
+    target = Path(os.path.abspath(output_dir))
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    if target.parent == target:
+        raise ValueError(f"output_dir {target} is the file system root; name a checkpoint folder inside it")
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "output_dir exists and is not a folder; a checkpoint is a folder",
+                                 str(target))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    real = Path(os.path.realpath(target))
+    if real == cwd or real in cwd.parents:
+        raise ValueError(
+            f"output_dir {target} contains the current working directory {cwd}; a save replaces the whole folder, "
+            "so save into a subfolder (e.g. output_dir='checkpoints/step_100')"
+        )
+    return target
+
+
 def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, threads: int = 0,
                      ready: Any = None) -> Path:
     """Write ``plan`` to the folder ``target`` crash-safely (see the module docs); returns ``target``.
@@ -120,7 +151,7 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
         OSError: the folder cannot be written (disk full, permissions); nothing is left behind and a previous
             checkpoint at ``target`` is intact.
     """
-    target = target.absolute()
+    target = check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(target.parent)
     file_mode, folder_mode = _existing_mode(target)

@@ -33,7 +33,8 @@ from ._accelerate_format import (
 from ._accelerate_load import open_model_files
 from ._codec import decode, encode
 from ._commit import write_checkpoint
-from ._layout import checkpoint_layout, part_name, random_states_name, read_manifest
+from ._integrity import verify_checkpoint
+from ._layout import MANIFEST, checkpoint_layout, part_name, random_states_name, read_manifest
 from ._object_state import object_state_payload, read_object_state
 from ._optimizer import optimizer_payload, param_fqns, read_optimizer_state
 from ._rng import FORMAT as RNG_FORMAT
@@ -302,14 +303,21 @@ def convert(src: Path, dst: Path, *, to: str = "fastckpt", models: list[torch.nn
         The :class:`Snapshot` that was written (``notes`` lists what could not be converted).
 
     Raises:
-        ValueError: an unknown ``to``, or sharding with ``to="accelerate"``.
+        ValueError: an unknown ``to``, sharding with ``to="accelerate"``, or ``dst`` is ``src``, inside it, or
+            contains it (nothing is written).
         KeyMismatchError / ShapeMismatchError: ``models`` do not fit the positional optimizer state.
-        MissingStateError, HeaderError, IntegrityError, UnsafePickleError: an unreadable source.
+        MissingStateError, HeaderError, UnsafePickleError: an unreadable source.
+        IntegrityError: a source with recorded checksums (``fastckpt.json``) does not match them; nothing is written.
     """
     if to not in TARGETS:
         raise ValueError(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
     if to == "accelerate" and max_shard_size is not None:
         raise ValueError("accelerate's layout is unsharded; drop --max-shard-size")
+    src_r, dst_r = Path(src).resolve(), Path(dst).resolve()
+    if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
+        raise ValueError(f"DST must not be SRC, inside it, or contain it: {src} -> {dst}")
+    if (Path(src) / MANIFEST).is_file():
+        verify_checkpoint(src)  # refuse to launder damaged bytes into a freshly checksummed copy
     snap = read_snapshot(Path(src), trust_pickle=trust_pickle)
     if models is not None and to == "fastckpt":
         map_positions(snap, models, optimizers)

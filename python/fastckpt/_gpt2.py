@@ -53,8 +53,13 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
 
     def to_json_string(self) -> str:
-        """The config as JSON; ``fastckpt.save_state`` writes it to ``config.json`` beside the weights."""
-        return json.dumps({"model_type": "gpt2", **dataclasses.asdict(self)}, indent=2, sort_keys=True)
+        """The config as JSON; ``fastckpt.save_state`` writes it to ``config.json`` beside the weights.
+
+        It names no transformers ``model_type``: this is the GPT-2 architecture in plain torch (``nn.Linear``
+        weights, not transformers' ``Conv1D`` orientation), so transformers must not mistake it for its ``gpt2``.
+        """
+        return json.dumps({"architecture": "fastckpt-demo-gpt2", **dataclasses.asdict(self)}, indent=2,
+                          sort_keys=True)
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -119,8 +119,16 @@ def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step
     }
 
 
-def read_manifest(folder: Path, *, check_sizes: bool = True) -> dict[str, Any]:
+def is_model_file(name: str) -> bool:
+    """Whether a checkpoint file holds model weights (``model*.safetensors``, its shard index, ``config.json``)."""
+    return name.startswith("model") or name == "config.json"
+
+
+def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False) -> dict[str, Any]:
     """Read and check ``folder/fastckpt.json``.
+
+    ``model_files_only``: check the sizes of the model files alone (a model-only load of a full checkpoint whose
+    optimizer files were pruned or damaged still loads its weights).
 
     Raises:
         MissingStateError: no manifest (not a fastckpt checkpoint, or an unfinished save).
@@ -143,6 +151,8 @@ def read_manifest(folder: Path, *, check_sizes: bool = True) -> dict[str, Any]:
     _check_manifest_fields(path, manifest)
     if check_sizes:
         for name, info in manifest.get("files", {}).items():
+            if model_files_only and not is_model_file(name):
+                continue
             file = folder / name
             try:
                 actual = file.stat().st_size

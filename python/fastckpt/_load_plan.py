@@ -107,7 +107,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         return plan_accelerate_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                     map_location=map_location, trust_pickle=trust_pickle, rank=rank,
                                     manifest_mode=mode)
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder, model_files_only=model_only)
     if model_only:
         optimizers, schedulers = [], []
     saved = {k: int(manifest.get(k, 0)) for k in ("models", "optimizers", "schedulers")}

@@ -42,6 +42,13 @@ def param_fqns(models: Sequence[torch.nn.Module]) -> dict[int, str]:
     return fqns
 
 
+def optimizer_class_name(optimizer: Any) -> str:
+    """``module.QualName`` of the optimizer's class, seen through wrappers (accelerate's AcceleratedOptimizer)."""
+    inner = getattr(optimizer, "optimizer", None)
+    cls = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _flat_fqns(optimizer: torch.optim.Optimizer, fqns: dict[int, str], label: str) -> list[str]:
     names = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -96,7 +103,7 @@ def optimizer_payload(
         groups.append(encoded)
     metadata = {
         "format": FORMAT,
-        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "optimizer": optimizer_class_name(optimizer),
         "param_groups": json.dumps(groups),
         "state_names": json.dumps(state_names),
         "extra_state": json.dumps(extra),
@@ -196,6 +203,19 @@ def read_optimizer_state(
             raise HeaderError(f"{path}: metadata refers to tensor {key!r}, which the file does not hold") from None
 
     live = _flat_fqns(optimizer, fqns, label)
+    saved_class = metadata.get("optimizer")
+    live_class = optimizer_class_name(optimizer)
+    stand_in = (saved_class or "").startswith("fastckpt.") or live_class.startswith("fastckpt.")  # fastckpt convert
+    if strict and saved_class is not None and not stand_in and saved_class != live_class:
+        raise KeyMismatchError(
+            f"{path}: the state was saved by {saved_class} but the live {label} is {live_class}; its state keys "
+            "would not fit (load with strict=False to take the param_groups and state anyway)"
+        )
+    if strict and len(saved_groups) != len(optimizer.param_groups):
+        raise KeyMismatchError(
+            f"{path}: {len(saved_groups)} param_groups were saved but the live {label} has "
+            f"{len(optimizer.param_groups)}; load with strict=False to match groups by their parameters"
+        )
     saved_group_of = {fqn: gi for gi, g in enumerate(saved_groups) for fqn in g["params"]}
     uncovered = [fqn for fqn in live if fqn not in saved_group_of]
     if strict and uncovered:

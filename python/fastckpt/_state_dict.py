@@ -171,6 +171,11 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
     for dst, src, name in plan.assignments:
         if not isinstance(dst, torch.Tensor):
             raise TypeError(f"{type(module).__name__}.state_dict()[{name!r}] is not a tensor")
+        if dst.is_meta:
+            raise ValueError(
+                f"{type(module).__name__}.{name} is on the meta device (it has no storage to load into); "
+                "materialize the model first, e.g. model.to_empty(device='cpu')"
+            )
         want_dtype = to_safetensors_dtype(dst.dtype, name=name)
         if src.dtype != want_dtype:
             raise DtypeError(

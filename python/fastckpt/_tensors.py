@@ -43,7 +43,9 @@ def tensor_source(name: str, tensor: torch.Tensor) -> TensorSource:
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    if tensor.layout != torch.strided or tensor.is_quantized:
+    if tensor.is_quantized:
+        raise ValueError(f"tensor {name!r} is quantized ({tensor.dtype}); save its int_repr() and scales instead")
+    if tensor.layout != torch.strided:
         raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be saved")
     if tensor.is_meta:
         raise ValueError(f"tensor {name!r} is on the meta device and has no data to save")

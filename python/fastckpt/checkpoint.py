@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from ._async import AsyncSave, finish_pending, submit
-from ._commit import write_checkpoint
+from ._commit import check_target, write_checkpoint
 from ._integrity import verify_checkpoint
 from ._layout import next_checkpoint_dir, rotate_checkpoints
 from ._load_plan import plan_load, resolve_input_dir
@@ -37,14 +37,61 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
+_KIND_CHECKS = {
+    "model": (lambda o: isinstance(o, torch.nn.Module), "a torch.nn.Module"),
+    "optimizer": (lambda o: isinstance(o, torch.optim.Optimizer)
+                  or (hasattr(o, "param_groups") and hasattr(o, "load_state_dict")), "a torch.optim.Optimizer"),
+    "scheduler": (lambda o: not isinstance(o, (torch.optim.Optimizer, torch.nn.Module))
+                  and hasattr(o, "state_dict") and hasattr(o, "load_state_dict"),
+                  "an LR scheduler (an object with state_dict() and load_state_dict())"),
+}
+
+
 def _as_list(obj: Any, kind: str) -> list:
+    """``obj`` as a list of ``kind`` objects (one, a list or tuple, or None for none).
+
+    Raises:
+        TypeError: an entry is not a ``kind`` (names its position and type; a path passed positionally is the
+            usual cause).
+    """
     if obj is None:
         return []
     items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    check, what = _KIND_CHECKS[kind]
     for i, item in enumerate(items):
-        if item is None:
-            raise TypeError(f"{kind}[{i}] is None")
+        if not check(item):
+            hint = " (pass folders as output_dir= / input_dir=)" if isinstance(item, (str, os.PathLike)) else ""
+            raise TypeError(f"{kind}[{i}] is a {type(item).__name__}, expected {what}{hint}")
     return items
+
+
+def _check_common(threads: int) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
+
+
+def _check_save_args(model: Any, threads: int, step: int, total_limit: int | None) -> None:
+    if model is None:
+        raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to save")
+    _check_common(threads)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+    if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
+                                    or total_limit < 1):
+        raise ValueError(f"total_limit must be an int >= 1 (or None to keep every checkpoint), got {total_limit!r}")
+
+
+def _check_map_location(map_location: Any) -> None:
+    if map_location is None:
+        return
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"map_location {map_location!r} is not a torch device: {exc}") from None
+    if device.type == "meta":
+        raise ValueError("map_location='meta' would load no data; use a real device or None")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"map_location={map_location!r} but CUDA is not available on this machine")
 
 
 def save_state(
@@ -116,7 +163,10 @@ def save_state(
         >>> handle.wait()
     """
     finish_pending(wait=not async_save)
+    _check_save_args(model, threads, step, total_limit)
     models = _as_list(model, "model")
+    if output_dir is not None:
+        output_dir = check_target(output_dir)
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
                            model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat)
     auto = output_dir is None
@@ -184,11 +234,16 @@ def load_state(
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped.
     """
+    if model is None:
+        raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
+    _check_common(threads)
+    _check_map_location(map_location)
+    models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
+                                      _as_list(scheduler, "scheduler"))
     folder = resolve_input_dir(input_dir, project_dir)
     if verify:
         verify_checkpoint(folder, threads=threads)
-    plan = plan_load(folder, _as_list(model, "model"), _as_list(optimizer, "optimizer"),
-                     _as_list(scheduler, "scheduler"), model_only=model_only, strict=strict,
+    plan = plan_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                      map_location=map_location, trust_pickle=trust_pickle)
     plan.apply(threads=threads)
     return LoadResult(plan.missing_keys, plan.unexpected_keys)

@@ -4,7 +4,11 @@ Each subcommand lives in its own module, listed in :data:`SUBCOMMANDS`, which pr
 
 - ``HELP``: one line for ``fastckpt --help``;
 - ``add_arguments(parser)``: adds the subcommand's flags to its ``argparse`` parser;
-- ``run(args) -> int``: does the work and returns the exit status.
+- ``run(args) -> int``: does the work and returns the exit status;
+- optionally ``EPILOG``: text after the flags in ``fastckpt COMMAND --help`` (the exit statuses).
+
+Usage errors (bad flags) exit 2, as ``argparse`` does. When stdout is closed early (``fastckpt inspect H | head``),
+the command stops quietly with exit status 141 (128 + SIGPIPE, what a shell reports for a killed writer).
 
 Adding ``convert``, ``verify`` or ``inspect`` is one module plus one line here.
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
+import sys
 from collections.abc import Sequence
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
@@ -43,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=module.HELP, description=module.HELP)
+        sub = commands.add_parser(name, help=module.HELP, description=module.HELP,
+                                  epilog=getattr(module, "EPILOG", None))
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser
@@ -57,4 +64,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        status = args.run(args)
+        sys.stdout.flush()  # surface a closed pipe here, not in the interpreter's shutdown
+        return status
+    except BrokenPipeError:
+        # the reader went away (e.g. ``| head``): point stdout at devnull so the final flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a real file (captured): nothing to redirect
+            pass
+        finally:
+            os.close(devnull)
+        return 141

@@ -35,7 +35,9 @@ def _metadata_pairs(metadata: Optional[Dict[str, str]]) -> Optional[List[Tuple[s
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
     for key, value in metadata.items():
-        if not isinstance(key, str) or not isinstance(value, str):
+        if not isinstance(key, str):
+            raise TypeError(f"metadata keys must be str: got {type(key).__name__} {key!r}")
+        if not isinstance(value, str):
             raise TypeError(
                 f"metadata values must be str: key {key!r} holds {type(value).__name__} {value!r} "
                 "(the safetensors header stores text only; convert it with str() or json.dumps())"
