@@ -251,7 +251,7 @@ def train(model, optimizer, scheduler, data, *, closure_optimizer: bool = False)
     model.train()
     for x, y in data:
 
-        def closure():
+        def closure(x=x, y=y):
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()

@@ -13,10 +13,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch as official
 import torch
-from torch import nn
-
-import fastckpt
-import fastckpt.torch as ft
 from conftest import (
     FakeConfig,
     TinyNet,
@@ -26,11 +22,16 @@ from conftest import (
     assert_tensor_identical,
     batches,
     file_modes,
-    make_training_state as _setup,
     model_clone,
     train,
 )
+from conftest import (
+    make_training_state as _setup,
+)
+from torch import nn
 
+import fastckpt
+import fastckpt.torch as ft
 
 # --------------------------------------------------------------------------------------------------------------
 # C13: file modes
@@ -197,7 +198,7 @@ def test_c12_utf8_fqns_round_trip_through_a_checkpoint(tmp_path):
             self.register_buffer("emoji😀", torch.randn(2))
 
         def forward(self, x):
-            return getattr(self, "café")(x).sum() + getattr(self, "权重").sum()
+            return self.café(x).sum() + self.权重.sum()
 
     model = Named(1)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import struct
 import threading
 import time
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 import safetensors.torch as official
 import torch
-
 from conftest import (
     OFFICIAL_BYTES_LOADER_MISSES,
     SHARED_DTYPES,
@@ -24,6 +22,7 @@ from conftest import (
     split_file,
     tensor_bytes,
 )
+
 from fastckpt import _core
 from fastckpt.errors import DtypeError, HeaderError, KeyMismatchError, TruncatedFileError
 

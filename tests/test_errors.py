@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch as official
 import torch
+from conftest import read_split, run_python, write_raw_safetensors
 
 import fastckpt
 import fastckpt.errors
 import fastckpt.torch as ft
-from conftest import read_split, run_python, write_raw_safetensors
 
 HIERARCHY = {
     "CheckpointError": (Exception,),

@@ -12,9 +12,6 @@ import numpy as np
 import pytest
 import safetensors.torch as official
 import torch
-from torch import nn
-
-import fastckpt
 from _crc32c_ref import crc32c_hex
 from conftest import (
     TinyNet,
@@ -27,6 +24,9 @@ from conftest import (
     read_split,
     train,
 )
+from torch import nn
+
+import fastckpt
 
 
 def _trained(seed=1, steps=3):

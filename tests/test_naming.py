@@ -8,10 +8,10 @@ import re
 
 import pytest
 import torch
+from conftest import assert_model_state, model_clone
 from torch import nn
 
 import fastckpt
-from conftest import assert_model_state, model_clone
 
 
 def _linear(value: float) -> nn.Linear:

@@ -15,10 +15,6 @@ import numpy as np
 import pytest
 import safetensors.torch as official
 import torch
-from safetensors import safe_open as official_safe_open
-
-import fastckpt
-import fastckpt.torch as ft
 from conftest import (
     SHARED_DTYPES,
     assert_tensor_dicts_identical,
@@ -28,6 +24,10 @@ from conftest import (
     tensor_order,
     write_raw_safetensors,
 )
+from safetensors import safe_open as official_safe_open
+
+import fastckpt
+import fastckpt.torch as ft
 
 
 def _official_file(tmp_path, metadata=None):

@@ -10,10 +10,6 @@ import json
 import pytest
 import safetensors.torch as official
 import torch
-from safetensors import safe_open as official_safe_open
-from torch import nn
-
-import fastckpt
 from conftest import (
     assert_model_state,
     assert_nested_equal,
@@ -24,8 +20,12 @@ from conftest import (
     requires_cuda,
     train,
 )
+from safetensors import safe_open as official_safe_open
+from torch import nn
 
-O = torch.optim
+import fastckpt
+
+O = torch.optim  # noqa: E741 - short alias for the table below
 OPTIMIZERS = {
     "Adam": lambda p: O.Adam(p, lr=1e-2),
     "Adam_amsgrad": lambda p: O.Adam(p, lr=1e-2, amsgrad=True, weight_decay=0.01),

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import safetensors.torch as official
 import torch
+from conftest import batches, make_tiny, requires_cuda, rng_draws, scramble_rngs, train
 from safetensors import safe_open as official_safe_open
 
 import fastckpt
-from conftest import batches, make_tiny, requires_cuda, rng_draws, scramble_rngs, train
 
 
 def _setup(seed):

@@ -5,18 +5,17 @@
 
 from __future__ import annotations
 
-
 import safetensors.torch as official
 import torch
-from torch import nn
-
-import fastckpt.torch as ft
 from conftest import (
     TiedNet,
     assert_tensor_dicts_identical,
     assert_tensor_identical,
     read_split,
 )
+from torch import nn
+
+import fastckpt.torch as ft
 
 # --------------------------------------------------------------------------------------------------------------
 # save_model / load_model (C1 tied weights, C3 strided views)

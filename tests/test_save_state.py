@@ -11,11 +11,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch as official
 import torch
-from safetensors import safe_open as official_safe_open
-from torch import nn
-
-import fastckpt
-import fastckpt.torch as ft
 from conftest import (
     SHARED_DTYPES,
     FakeConfig,
@@ -27,7 +22,6 @@ from conftest import (
     assert_tensor_identical,
     batches,
     dtype_id,
-    make_training_state as _setup,
     model_clone,
     random_tensor,
     read_split,
@@ -36,6 +30,14 @@ from conftest import (
     tensor_bytes,
     train,
 )
+from conftest import (
+    make_training_state as _setup,
+)
+from safetensors import safe_open as official_safe_open
+from torch import nn
+
+import fastckpt
+import fastckpt.torch as ft
 
 
 def _lrs_while_training(model, opt, sched, data) -> list[list[float]]:

@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import assert_nested_equal
 from torch import nn
 
 import fastckpt
-from conftest import assert_nested_equal
 
 LS = torch.optim.lr_scheduler
 

@@ -12,12 +12,6 @@ import warnings
 import pytest
 import safetensors.torch as official
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from torch import nn
-
-import fastckpt
-import fastckpt.torch as ft
 from conftest import (
     OFFICIAL_BYTES_LOADER_MISSES,
     SHARED_DTYPES,
@@ -31,7 +25,12 @@ from conftest import (
     tensor_order,
     write_raw_safetensors,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 
+import fastckpt
+import fastckpt.torch as ft
 
 # --------------------------------------------------------------------------------------------------------------
 # API surface

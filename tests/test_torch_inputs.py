@@ -10,16 +10,16 @@ import os
 import pytest
 import safetensors.torch as official
 import torch
-from safetensors import safe_open as official_safe_open
-
-import fastckpt
-import fastckpt.torch as ft
 from conftest import (
     assert_tensor_dicts_identical,
     assert_tensor_identical,
     read_split,
     write_raw_safetensors,
 )
+from safetensors import safe_open as official_safe_open
+
+import fastckpt
+import fastckpt.torch as ft
 
 # --------------------------------------------------------------------------------------------------------------
 # C9 metadata types, C10 empty state, C11 reserved names, C12 names

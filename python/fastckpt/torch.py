@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
@@ -29,7 +29,7 @@ __all__ = ["save_file", "load_file", "save", "load", "safe_open", "save_model", 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _metadata_pairs(metadata: Optional[Dict[str, str]]) -> Optional[List[Tuple[str, str]]]:
+def _metadata_pairs(metadata: Dict[str, str] | None) -> List[Tuple[str, str]] | None:
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
@@ -58,7 +58,7 @@ def _refuse_shared(tensors: Dict[str, torch.Tensor]) -> None:
 def save_file(
     tensors: Dict[str, torch.Tensor],
     filename: PathLike,
-    metadata: Optional[Dict[str, str]] = None,
+    metadata: Dict[str, str] | None = None,
     *,
     durable: bool = True,
     threads: int = 0,
@@ -84,7 +84,7 @@ def save_file(
     _core.write_file(os.fspath(filename), tensor_sources(tensors), pairs, durable=durable, threads=threads)
 
 
-def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
+def save(tensors: Dict[str, torch.Tensor], metadata: Dict[str, str] | None = None) -> bytes:
     """Serialize a dict of tensors to safetensors bytes (the same bytes :func:`save_file` writes)."""
     _refuse_shared(tensors)
     return _core.serialize(tensor_sources(tensors), _metadata_pairs(metadata))
@@ -135,7 +135,7 @@ class safe_open:  # noqa: N801 - the name safetensors users import
         self._view = memoryview(self._file)
         self._entries = {e[0]: e for e in self._file.tensors()}
 
-    def __enter__(self) -> "safe_open":
+    def __enter__(self) -> safe_open:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -149,7 +149,7 @@ class safe_open:  # noqa: N801 - the name safetensors users import
         """Tensor names in the order their bytes appear in the file."""
         return list(self._entries)
 
-    def metadata(self) -> Optional[Dict[str, str]]:
+    def metadata(self) -> Dict[str, str] | None:
         """The header's ``__metadata__`` (``None`` when the file has none)."""
         return self._file.metadata()
 
@@ -207,7 +207,7 @@ def load(data: bytes) -> Dict[str, torch.Tensor]:
     }
 
 
-def save_model(model: torch.nn.Module, filename: PathLike, metadata: Optional[Dict[str, str]] = None,
+def save_model(model: torch.nn.Module, filename: PathLike, metadata: Dict[str, str] | None = None,
                force_contiguous: bool = True) -> None:
     """Save a module's state dict, storing tied (shared) tensors once, as ``safetensors.torch.save_model``.
 
