@@ -316,6 +316,9 @@ def run_demo(
     cache = "a cold page cache (posix_fadvise DONTNEED)" if cold_cache else "the page cache"
     print("save: durable on both sides (fastckpt durable=True; accelerate save_state + fsync of each file)", file=out)
     print(f"save speedup: accelerate's save s / the row's save s; load: from {cache}", file=out)
+    print("verified: reloaded into objects built from scratch and compared bit for bit (every weight and the tie;"
+          " full rows also optimizer state + param_groups, scheduler state, next python/numpy/torch RNG draws)",
+          file=out)
     for row in rows:
         for problem in row.problems[:10]:
             print(f"FAILED {row.name}: {problem}", file=out)
