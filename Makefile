@@ -30,10 +30,11 @@ py-test:  ## pytest suite (expects `make install-test` first)
 
 test: install-test rust-test py-test  ## install, then run every test (cargo + pytest)
 
-lint:  ## rustfmt, clippy, ruff
+lint:  ## rustfmt, clippy, ruff, stubtest of _core.pyi
 	cargo fmt --all --check
 	cargo clippy --all-targets -- -D warnings
 	$(PY) -m ruff check python tests benches
+	$(PY) -m mypy.stubtest fastckpt._core  # _core.pyi matches the built module
 
 bench: install-test  ## benchmark suite: every contender alternated, prints the table, writes benches/RESULTS.md
 	$(PY) benches/run.py

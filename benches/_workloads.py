@@ -1,7 +1,7 @@
 """Workloads of the benchmark suite: GPT-style models with AdamW state from about 256 MB to 8 GB of total state,
 and a single multi-GB tensor.
 
-A GPT workload is :class:`fastckpt._gpt2.GPT` (GPT-2's architecture, tied embedding / output head) in fp32 with
+A GPT workload is :class:`fastckpt.demo.gpt2.GPT` (GPT-2's architecture, tied embedding / output head) in fp32 with
 AdamW after one step, so every parameter has its ``exp_avg`` and ``exp_avg_sq``: the total state is about
 3 x 4 bytes per parameter. The step uses a constant gradient instead of a forward / backward pass (same state
 tensors, a fraction of the time).
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from fastckpt._gpt2 import GPT, GPTConfig
+from fastckpt.demo.gpt2 import GPT, GPTConfig
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "LARGE_WORKLOADS", "TrainingState", "build_state",
            "state_tensors", "state_bytes", "model_bytes"]

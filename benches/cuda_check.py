@@ -74,7 +74,7 @@ def run_checks() -> bool:
 def _gpu_state(gb: float):
     import torch
 
-    from fastckpt._gpt2 import GPT, GPTConfig
+    from fastckpt.demo.gpt2 import GPT, GPTConfig
 
     width, vocab = 2048, 32768
     params = gb * 1e9 / 12  # fp32 weights + two AdamW moments: 12 bytes per parameter
@@ -97,9 +97,9 @@ def time_cuda_path(gb: float, rounds: int, folder: pathlib.Path) -> list[tuple[s
 
     import fastckpt
     from benches._measure import drop_caches, fsync_tree, raw_read, raw_write
-    from fastckpt import _async
-    from fastckpt._commit import write_checkpoint
-    from fastckpt._save_plan import build_save_plan
+    from fastckpt._io import async_writer as _async
+    from fastckpt._io.commit import write_checkpoint
+    from fastckpt._plan.save import build_save_plan
 
     model, optimizer = _gpu_state(gb)
     tensors = [*{t.data_ptr(): t for t in model.state_dict().values()}.values()]

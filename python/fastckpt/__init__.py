@@ -6,14 +6,13 @@ a ``model_only`` switch on both sides; ``fastckpt.torch`` is a drop-in ``safeten
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
-
-from ._async import AsyncSave
-from ._integrity import VerifyReport, check_checkpoint, verify_checkpoint
-from ._layout import latest_checkpoint
-from ._rng import RngRestoreWarning
-from .checkpoint import LoadResult, load_state, save_state
-from .errors import (
+from fastckpt._io.async_writer import AsyncSave
+from fastckpt._io.integrity import VerifyReport, check_checkpoint, verify_checkpoint
+from fastckpt._io.layout import latest_checkpoint
+from fastckpt._state.rng import RngRestoreWarning
+from fastckpt._version import __version__
+from fastckpt.checkpoint import LoadResult, load_state, save_state
+from fastckpt.errors import (
     CheckpointError,
     DtypeError,
     HeaderError,
@@ -34,10 +33,6 @@ def __getattr__(name: str):  # ``fastckpt.accelerate`` on first use: accelerate 
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
 
 
-try:
-    __version__ = _metadata.version("fastckpt")
-except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree without install
-    __version__ = "0+unknown"
 
 __all__ = [
     "save_state",

@@ -16,13 +16,13 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from ._async import AsyncSave, finish_pending, submit
-from ._commit import check_target, write_checkpoint
-from ._integrity import verify_checkpoint
-from ._layout import next_checkpoint_dir, rotate_checkpoints
-from ._load_plan import plan_load, resolve_input_dir
-from ._save_plan import build_save_plan
-from ._snapshot import has_device_tensors
+from fastckpt._io.async_writer import AsyncSave, finish_pending, submit
+from fastckpt._io.commit import check_target, write_checkpoint
+from fastckpt._io.integrity import verify_checkpoint
+from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.snapshot import has_device_tensors
+from fastckpt._plan.load import plan_load, resolve_input_dir
+from fastckpt._plan.save import build_save_plan
 
 __all__ = ["save_state", "load_state", "LoadResult"]
 
@@ -113,7 +113,7 @@ def save_state(
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
     Mirrors ``accelerate.Accelerator.save_state``'s layout and file names without pickle; see
-    :mod:`fastckpt._layout` for the files.
+    :mod:`fastckpt._io.layout` for the files.
 
     Args:
         model: a module or a list of modules (``model.safetensors``, ``model_1.safetensors``, ...).
@@ -140,10 +140,10 @@ def save_state(
         async_save: return as soon as the state is copied into a reused host buffer pool (for CUDA tensors: as
             soon as the copies are enqueued on a side stream) and write the checkpoint on a background thread;
             the checkpoint holds the values as of the call even if training keeps updating them. At most one
-            async save is in flight: a second one waits for the first to be written. See :mod:`fastckpt._async`.
+            async save is in flight: a second one waits for the first to be written. See :mod:`fastckpt._io.async_writer`.
 
     Returns:
-        The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._async.AsyncSave` handle whose
+        The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
         ``wait()`` returns it once committed.
 
     Raises:

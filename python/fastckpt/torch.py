@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
-from . import _core
-from ._state_dict import find_aliases, load_into_module
-from ._tensors import tensor_from_buffer, tensor_sources
-from .errors import KeyMismatchError
+from fastckpt import _core
+from fastckpt._format.tensors import tensor_from_buffer, tensor_sources
+from fastckpt._state.model import find_aliases, load_into_module
+from fastckpt.errors import KeyMismatchError
 
 __all__ = ["save_file", "load_file", "save", "load", "safe_open", "save_model", "load_model"]
 

@@ -1,0 +1,38 @@
+"""The files of one checkpoint folder, as the writer takes them: :class:`FilePart` (one safetensors file) and
+:class:`SavePlan` (every file of a folder). The plan layer (:mod:`fastckpt._plan.save`) builds them; the commit
+(:mod:`fastckpt._io.commit`), the snapshot and the async writer consume them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FilePart", "SavePlan"]
+
+
+@dataclass
+class FilePart:
+    """One safetensors file of a checkpoint: ``name`` in the folder, ``{tensor_name: tensor}``, metadata."""
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    metadata: list[tuple[str, str]] | None
+
+
+@dataclass
+class SavePlan:
+    """Everything one checkpoint folder will hold, before anything is written."""
+
+    mode: str  # "full" or "model_only"
+    step: int
+    counts: dict[str, Any]  # part counts, plus manifest facts such as "layout": "accelerate"
+    parts: list[FilePart] = field(default_factory=list)
+    texts: dict[str, str | bytes] = field(default_factory=dict)  # small files: JSON text, or bytes (compat pickles)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes in the plan (what the writer streams)."""
+        return sum(t.numel() * t.element_size() for p in self.parts for t in p.tensors.values())

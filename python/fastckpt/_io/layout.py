@@ -1,0 +1,247 @@
+"""The checkpoint folder: file names (accelerate's), the manifest, automatic naming and rotation.
+
+A fastckpt checkpoint folder holds, for ``n`` models / optimizers / schedulers (accelerate's suffix rule: the
+first has none, then ``_1``, ``_2``...):
+
+=====================================  ==============================================================
+``model.safetensors``, ``model_1...``  model state dicts (Hugging Face compatible)
+``optimizer.safetensors``, ...         optimizer state keyed by fqn (see :mod:`fastckpt._state.optimizer`)
+``scheduler.json``, ...                scheduler state dicts (see :mod:`fastckpt._format.codec`)
+``random_states_{rank}.safetensors``   RNG streams (see :mod:`fastckpt._state.rng`)
+``config.json``                        the first model's config, when it has one (transformers)
+``fastckpt.json``                      the manifest, written last: a folder without it is unfinished
+=====================================  ==============================================================
+
+With ``max_shard_size`` a model or optimizer file over the limit becomes ``{base}-0000k-of-0000N.safetensors`` plus
+``{base}.safetensors.index.json`` (see :mod:`fastckpt._io.shards`); ``fastckpt.accelerate`` adds the Accelerator's
+other objects (see :mod:`fastckpt.accelerate.tracked_objects`); ``compat="accelerate"`` writes accelerate's own files (see
+:mod:`fastckpt._plan.accelerate_format`) and records ``"layout": "accelerate"`` in the manifest.
+
+Automatic naming follows accelerate's ``ProjectConfiguration``: ``{project_dir}/checkpoints/checkpoint_{n}``.
+
+Which layout a folder holds (:func:`checkpoint_layout`): a folder with ``fastckpt.json`` is fastckpt's (its
+``layout`` entry says ``"accelerate"`` for a ``compat="accelerate"`` save); a folder without it is accelerate's when
+it holds accelerate's files and none of the files only fastckpt writes (``random_states_*.safetensors``,
+``optimizer*.safetensors``, ``scheduler*.json``). A folder with fastckpt-only files and no manifest is an unfinished
+save: it is never loaded and never counts as a committed checkpoint. Stock accelerate checkpoints count as
+committed when they hold ``random_states_0.pkl`` (the last file ``Accelerator.save_state`` writes for rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from fastckpt._version import __version__
+from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
+
+__all__ = [
+    "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
+    "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
+    "is_committed",
+]
+
+MANIFEST = "fastckpt.json"
+FORMAT_VERSION = 1
+_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+_FASTCKPT_ONLY_RE = re.compile(
+    r"^(random_states_\d+\.safetensors|optimizer(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+    r"|scheduler(_\d+)?\.json)$"
+)
+_ACCELERATE_RE = re.compile(
+    r"^(random_states_\d+\.pkl|(optimizer|scheduler|pytorch_model)(_\d+)?\.bin"
+    r"|model(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?)$"
+)
+
+
+def checkpoint_layout(folder: Path) -> str:
+    """``"fastckpt"`` or ``"accelerate"``: how to read ``folder`` (the rule is in the module docs).
+
+    Raises:
+        MissingStateError: no manifest and no accelerate files, or fastckpt files without a manifest (an
+            unfinished save).
+        HeaderError: the manifest is not valid JSON.
+    """
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        try:
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HeaderError(f"{manifest}: not valid JSON: {exc}") from None
+        return "accelerate" if isinstance(data, dict) and data.get("layout") == "accelerate" else "fastckpt"
+    names = os.listdir(folder)
+    partial = sorted(n for n in names if _FASTCKPT_ONLY_RE.match(n))
+    if partial:
+        raise MissingStateError(
+            f"{folder}: holds fastckpt files ({', '.join(partial[:3])}) but no {MANIFEST}: a save that did not finish"
+        )
+    if any(_ACCELERATE_RE.match(n) for n in names):
+        return "accelerate"
+    raise MissingStateError(f"{folder}: no {MANIFEST} and no accelerate checkpoint files; not a checkpoint")
+
+
+def is_committed(folder: Path) -> bool:
+    """Whether ``folder`` is a finished checkpoint: fastckpt's (has the manifest) or stock accelerate's."""
+    if (folder / MANIFEST).is_file():
+        return True
+    if not (folder / "random_states_0.pkl").is_file():
+        return False
+    return not any(_FASTCKPT_ONLY_RE.match(n) for n in os.listdir(folder))
+
+
+def part_name(base: str, index: int, suffix: str) -> str:
+    """accelerate's names: ``part_name("model", 0, ".safetensors") == "model.safetensors"``, index 1 -> ``model_1``."""
+    return f"{base}{suffix}" if index == 0 else f"{base}_{index}{suffix}"
+
+
+def random_states_name(rank: int) -> str:
+    """``random_states_{rank}.safetensors``."""
+    return f"random_states_{rank}.safetensors"
+
+
+def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step: int,
+                  checksums: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The manifest content: format version, mode, part counts, and every file's size in bytes (with its crc32c
+    fields from ``checksums``, see :mod:`fastckpt._io.integrity`)."""
+    checksums = checksums or {}
+    return {
+        "format": "fastckpt",
+        "format_version": FORMAT_VERSION,
+        "fastckpt_version": __version__,
+        "mode": mode,
+        "step": step,
+        **counts,
+        "files": {name: {"bytes": size, **checksums.get(name, {})} for name, size in sorted(files.items())},
+    }
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a checkpoint file holds model weights (``model*.safetensors``, its shard index, ``config.json``)."""
+    return name.startswith("model") or name == "config.json"
+
+
+def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False) -> dict[str, Any]:
+    """Read and check ``folder/fastckpt.json``.
+
+    ``model_files_only``: check the sizes of the model files alone (a model-only load of a full checkpoint whose
+    optimizer files were pruned or damaged still loads its weights).
+
+    Raises:
+        MissingStateError: no manifest (not a fastckpt checkpoint, or an unfinished save).
+        HeaderError: the manifest is not valid JSON or has a format version this fastckpt cannot read.
+        IntegrityError: a listed file is missing or has another size than recorded (names both sizes).
+    """
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MissingStateError(
+            f"{folder}: no {MANIFEST}; not a fastckpt checkpoint, or a save that did not finish"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HeaderError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "fastckpt":
+        raise HeaderError(f"{path}: not a fastckpt manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise HeaderError(f"{path}: format_version {manifest.get('format_version')!r}, this fastckpt reads {FORMAT_VERSION}")
+    _check_manifest_fields(path, manifest)
+    if check_sizes:
+        for name, info in manifest.get("files", {}).items():
+            if model_files_only and not is_model_file(name):
+                continue
+            file = folder / name
+            try:
+                actual = file.stat().st_size
+            except FileNotFoundError:
+                raise IntegrityError(f"{file}: listed in {MANIFEST} ({info['bytes']} bytes) but missing") from None
+            if actual != info["bytes"]:
+                raise IntegrityError(f"{file}: {actual} bytes on disk, {info['bytes']} recorded in {MANIFEST}")
+    return manifest
+
+
+def _is_hex8(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
+    """The manifest's fields have the types fastckpt writes; file names stay inside the folder (HeaderError)."""
+    def bad(msg: str) -> HeaderError:
+        return HeaderError(f"{path}: {msg}")
+
+    for key in ("models", "optimizers", "schedulers", "step"):
+        value = manifest.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(f"{key!r} must be a non-negative integer, got {value!r}")
+    if not isinstance(manifest.get("mode", ""), str):
+        raise bad(f"'mode' must be a string, got {manifest['mode']!r}")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise bad(f"'files' must be an object, got {type(files).__name__}")
+    for name, info in files.items():
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise bad(f"file name {name!r} points outside the checkpoint folder")
+        if not isinstance(info, dict):
+            raise bad(f"files[{name!r}] must be an object, got {info!r}")
+        size = info.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"files[{name!r}]['bytes'] must be a non-negative integer, got {size!r}")
+        if "crc32c" in info and not _is_hex8(info["crc32c"]):
+            raise bad(f"files[{name!r}]['crc32c'] must be 8 hex digits, got {info['crc32c']!r}")
+        tensors = info.get("tensors", {})
+        if not isinstance(tensors, dict) or not all(_is_hex8(v) for v in tensors.values()):
+            raise bad(f"files[{name!r}]['tensors'] must map tensor names to 8 hex digits")
+
+
+def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:
+    """Committed automatic checkpoints under ``project_dir/checkpoints``: ``{n: folder}`` (see :func:`is_committed`)."""
+    root = project_dir / "checkpoints"
+    found: dict[int, Path] = {}
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        m = _CHECKPOINT_RE.match(entry.name)
+        if m and entry.is_dir() and is_committed(entry):
+            found[int(m.group(1))] = entry
+    return found
+
+
+def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The committed checkpoint with the largest number in ``{project_dir}/checkpoints`` (numeric order), or None.
+
+    ``project_dir`` defaults to the current directory. Unfinished saves are never chosen; stock accelerate
+    checkpoints count (see :func:`is_committed`).
+    """
+    numbers = checkpoint_numbers(Path(project_dir if project_dir is not None else os.getcwd()))
+    return numbers[max(numbers)] if numbers else None
+
+
+def next_checkpoint_dir(project_dir: Path) -> Path:
+    """``checkpoints/checkpoint_{n}`` with n one above the largest *committed* number (0 when none).
+
+    A folder left by an unfinished save (no manifest) does not count; if it sits at ``n`` it is replaced whole
+    when the new checkpoint is committed.
+    """
+    numbers = checkpoint_numbers(project_dir)
+    return project_dir / "checkpoints" / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
+
+
+def rotate_checkpoints(project_dir: Path, total_limit: int) -> list[Path]:
+    """Remove the oldest committed checkpoints (numeric order) so that ``total_limit`` remain; returns removed.
+
+    Each is first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it stops counting at once and a
+    removal cut short never leaves a half-deleted ``checkpoint_N`` behind; the next save clears such leftovers.
+    """
+    from fastckpt._io.staging import OwnedPath
+
+    if total_limit < 1:
+        raise ValueError(f"total_limit must be >= 1, got {total_limit}")
+    numbers = checkpoint_numbers(project_dir)
+    removed = []
+    for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
+        with OwnedPath(numbers[n].parent, numbers[n].name, "trash") as trash:
+            os.rename(numbers[n], trash.path)
+        removed.append(numbers[n])
+    return removed

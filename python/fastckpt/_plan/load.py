@@ -1,0 +1,130 @@
+"""Restoring a checkpoint folder: read and validate every part first (:func:`plan_load`), then apply.
+
+Phase 1 opens and validates every file the load needs (headers, names, shapes, dtypes, optimizer coverage,
+scheduler JSON, RNG states) and reads optimizer state into fresh tensors; nothing live is touched. Phase 2
+(:meth:`LoadPlan.apply`) fills the model parameters in place straight from the files and hands the optimizers,
+schedulers and RNGs their states. A failure in phase 1 leaves every object as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _core
+from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._io.layout import (
+    MANIFEST,
+    checkpoint_layout,
+    latest_checkpoint,
+    part_name,
+    random_states_name,
+    read_manifest,
+)
+from fastckpt._io.shards import open_state_file, open_state_files
+from fastckpt._plan.apply import LoadPlan
+from fastckpt._state.model import plan_module_load
+from fastckpt._state.optimizer import param_fqns, read_optimizer_state
+from fastckpt._state.rng import read_rng_state
+from fastckpt.errors import MissingStateError
+
+__all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]
+
+
+def resolve_input_dir(input_dir: Any, project_dir: Any) -> Path:
+    if input_dir is not None:
+        folder = Path(input_dir)
+        if not folder.is_dir():
+            raise MissingStateError(f"{folder}: no such checkpoint folder")
+        return folder
+    root = Path(project_dir if project_dir is not None else os.getcwd())
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise MissingStateError(f"{root / 'checkpoints'}: no committed checkpoint (no checkpoint_N with {MANIFEST})")
+    return latest
+
+
+def _open_part(folder: Path, name: str, what: str) -> Any:
+    path = folder / name
+    if not path.is_file():
+        raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold")
+    return _core.SafetensorsFile(str(path))
+
+
+def positional_fqns(optimizer: Any) -> dict[int, str]:
+    """``{id(param): "#k"}`` by position in ``param_groups``: the keys of optimizer state converted from
+    accelerate without a model (manifest ``"optimizer_keys": "positional"``)."""
+    return {id(p): f"#{k}" for k, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+
+
+def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
+              strict: bool = True, map_location: Any = None, trust_pickle: bool = False, rank: int | None = 0,
+              fqn_models: list | None = None) -> LoadPlan:
+    """Phase 1 of a load: read and validate everything ``folder`` must provide; change nothing.
+
+    Reads fastckpt's layout (sharded model / optimizer files included) and accelerate's (see
+    :func:`fastckpt._io.layout.checkpoint_layout` and :mod:`fastckpt._plan.accelerate_load`).
+
+    Args:
+        trust_pickle: accelerate's layout only: allow full unpickling where ``weights_only=True`` refuses a file.
+        rank: whose ``random_states_{rank}`` file to restore; None restores no RNG state.
+        fqn_models: the models whose parameter names key the optimizer state (default: ``models``; accelerate's
+            load hooks may take models out of ``models``).
+
+    Raises:
+        MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError,
+        UnsafePickleError: see :func:`fastckpt.load_state`.
+    """
+    if checkpoint_layout(folder) == "accelerate":
+        from fastckpt._plan.accelerate_load import plan_accelerate_load
+
+        # a compat="accelerate" save has a manifest: check the recorded file sizes, take its mode
+        mode = read_manifest(folder).get("mode") if (folder / MANIFEST).is_file() else None
+        return plan_accelerate_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                                    map_location=map_location, trust_pickle=trust_pickle, rank=rank,
+                                    manifest_mode=mode)
+    manifest = read_manifest(folder, model_files_only=model_only)
+    if model_only:
+        optimizers, schedulers = [], []
+    saved = {k: int(manifest.get(k, 0)) for k in ("models", "optimizers", "schedulers")}
+
+    if manifest.get("mode") == "model_only" and (optimizers or schedulers):
+        wanted = [part_name("optimizer", j, ".safetensors") for j in range(len(optimizers))]
+        wanted += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
+        raise MissingStateError(
+            f"{folder}: saved with model_only=True, so it holds no {', '.join(wanted)}; load it with "
+            "model_only=True, or pass no optimizer/scheduler. Nothing was changed."
+        )
+    for kind, objs in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
+        if len(objs) > saved[kind]:
+            raise MissingStateError(
+                f"{folder}: {len(objs)} {kind} passed but the checkpoint holds {saved[kind]}. Nothing was changed."
+            )
+
+    load = LoadPlan()
+    for i, m in enumerate(models):
+        plan = plan_module_load(m, open_state_files(folder, part_name("model", i, ""), f"model {i}"),
+                                strict=strict)
+        prefix = f"model_{i}." if len(models) > 1 else ""
+        load.missing_keys += [prefix + k for k in plan.missing_keys]
+        load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]
+        load.models.append(plan)
+    fqns = param_fqns(models if fqn_models is None else fqn_models)
+    positional = manifest.get("optimizer_keys") == "positional"
+    for j, opt in enumerate(optimizers):
+        file = open_state_file(folder, part_name("optimizer", j, ""), f"optimizer {j}")
+        state = read_optimizer_state(opt, file, positional_fqns(opt) if positional else fqns, strict=strict,
+                                     map_location=map_location, defer=load.live_reads,
+                                     label=part_name("optimizer", j, ""))
+        load.optimizers.append((opt, state))
+    for k, sched in enumerate(schedulers):
+        path = folder / part_name("scheduler", k, ".json")
+        try:
+            where = f"{path}: not a valid fastckpt scheduler state"
+            load.schedulers.append((sched, decode_json(load_json(path.read_bytes(), where), where)))
+        except FileNotFoundError:
+            raise MissingStateError(f"{folder}: scheduler {k} needs {path.name}, which is absent") from None
+    if not model_only and manifest.get("mode") == "full" and rank is not None:
+        load.rng = read_rng_state(_open_part(folder, random_states_name(rank), "the RNG restore"))
+    return load

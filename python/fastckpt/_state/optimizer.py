@@ -1,0 +1,255 @@
+"""Optimizer state keyed by parameter fqn instead of position: ``optimizer.safetensors``.
+
+torch's ``Optimizer.state_dict()`` keys state by the position of each parameter in ``param_groups``; a checkpoint
+keyed that way silently loads the wrong moments into the wrong parameters when the model or the groups change.
+fastckpt stores
+
+- tensors ``state.{fqn}.{name}`` (``state.encoder.weight.exp_avg``; with several models the fqn carries the
+  ``model_{i}.`` prefix of its model),
+- metadata ``param_groups`` (JSON, with fqns in place of positions), ``state_names`` (``{fqn: [name, ...]}``) and
+  ``extra_state`` (non-tensor state such as SGD's ``momentum_buffer=None``, through :mod:`fastckpt._format.codec`).
+
+Loading maps fqns back onto the live optimizer's positions and hands torch a positional state dict, so torch's own
+``load_state_dict`` places ``step`` and moments where a fresh optimizer of that kind keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import torch
+
+from fastckpt._format.codec import encode
+from fastckpt._format.json_input import decode_json, load_json
+from fastckpt.errors import HeaderError, KeyMismatchError
+
+__all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
+
+FORMAT = "fastckpt.optimizer"
+
+
+def param_fqns(models: Sequence[torch.nn.Module]) -> dict[int, str]:
+    """``{id(parameter): fqn}`` for every parameter of ``models`` (``model_{i}.`` prefixes with several models).
+
+    A tied parameter gets its first name, the one kept in the model file.
+    """
+    fqns: dict[int, str] = {}
+    prefix = len(models) > 1
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            fqns.setdefault(id(p), f"model_{i}.{name}" if prefix else name)
+    return fqns
+
+
+def optimizer_class_name(optimizer: Any) -> str:
+    """``module.QualName`` of the optimizer's class, seen through wrappers (accelerate's AcceleratedOptimizer)."""
+    inner = getattr(optimizer, "optimizer", None)
+    cls = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _flat_fqns(optimizer: torch.optim.Optimizer, fqns: dict[int, str], label: str) -> list[str]:
+    names = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            fqn = fqns.get(id(p))
+            if fqn is None:
+                raise KeyMismatchError(
+                    f"{label}: param_groups[{gi}] holds a parameter of shape {list(p.shape)} and dtype {p.dtype} "
+                    f"(position {len(names)}) that belongs to none of the models passed; pass its model too"
+                )
+            names.append(fqn)
+    return names
+
+
+def optimizer_payload(
+    optimizer: torch.optim.Optimizer, fqns: dict[int, str], *, label: str = "optimizer"
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of one optimizer's file.
+
+    Returns:
+        ``({tensor_name: tensor}, {metadata_key: str})``; the tensors are the optimizer's own (no copies).
+
+    Raises:
+        KeyMismatchError: a parameter belongs to no passed model (names its group, position and shape).
+        TypeError: a state value that cannot be stored without pickle (names its path).
+    """
+    flat = _flat_fqns(optimizer, fqns, label)
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+
+    def sink(path: str, t: torch.Tensor) -> str:
+        key = f"extra.{len(tensors)}"
+        tensors[key] = t
+        return key
+
+    state_names: dict[str, list[str]] = {}
+    extra: dict[str, Any] = {}
+    for index, state in sd["state"].items():
+        fqn = flat[index]
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{fqn}.{name}"] = value
+                state_names.setdefault(fqn, []).append(name)
+            else:
+                extra.setdefault(fqn, {})[name] = encode(value, path=f"{label}.state[{fqn!r}][{name!r}]",
+                                                         tensor_sink=sink)
+    groups = []
+    for gi, group in enumerate(sd["param_groups"]):
+        entry = {k: v for k, v in group.items() if k != "params"}
+        encoded = encode(entry, path=f"{label}.param_groups[{gi}]", tensor_sink=sink)
+        encoded["params"] = [flat[i] for i in group["params"]]
+        groups.append(encoded)
+    metadata = {
+        "format": FORMAT,
+        "optimizer": optimizer_class_name(optimizer),
+        "param_groups": json.dumps(groups),
+        "state_names": json.dumps(state_names),
+        "extra_state": json.dumps(extra),
+    }
+    return tensors, metadata
+
+
+def _load_json(metadata: dict[str, str], key: str, path: str) -> Any:
+    if key not in metadata:
+        raise HeaderError(f"{path}: metadata has no {key!r}; not a fastckpt optimizer file")
+    where = f"{path}: metadata {key!r}"
+    value = load_json(metadata[key], where, list if key == "param_groups" else dict)
+    if key == "param_groups":
+        if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in value):
+            raise HeaderError(f"{where}: every param group must be an object with a 'params' list")
+        if not all(isinstance(fqn, str) for g in value for fqn in g["params"]):
+            raise HeaderError(f"{where}: 'params' must list parameter names (str)")
+    elif key == "state_names":
+        if not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in value.values()):
+            raise HeaderError(f"{where}: must map each parameter to a list of state names (str)")
+    elif not all(isinstance(v, dict) for v in value.values()):
+        raise HeaderError(f"{where}: must map each parameter to an object")
+    return value
+
+
+def read_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    file: Any,
+    fqns: dict[int, str],
+    *,
+    strict: bool = True,
+    map_location: Any = None,
+    label: str = "optimizer",
+    defer: list | None = None,
+) -> dict[str, Any]:
+    """Read an optimizer file into a positional state dict for ``optimizer.load_state_dict``; changes nothing.
+
+    Tensors are read (parallel positional reads) into fresh CPU tensors, so nothing aliases the file.
+
+    Args:
+        file: an opened ``fastckpt._core.SafetensorsFile``.
+        map_location: device for state tensors other than ``step`` (None: let torch move them to the params).
+        defer: when a list is given, state the live optimizer already holds in a matching tensor is not read
+            now: the returned state dict holds the live tensor itself and ``(file, [(name, tensor)])`` is appended
+            to ``defer``; read it with :func:`fastckpt._state.live_targets.read_tensors` just before
+            ``load_state_dict`` (see :mod:`fastckpt._state.live_targets`).
+
+    Raises:
+        KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it); or a live
+            parameter belongs to no passed model.
+        HeaderError: the file is not a fastckpt optimizer file (missing metadata, names the key).
+    """
+    path = file.path
+    metadata = file.metadata() or {}
+    saved_groups = _load_json(metadata, "param_groups", path)
+    state_names = _load_json(metadata, "state_names", path)
+    extra = _load_json(metadata, "extra_state", path)
+    entries = {e[0]: e for e in file.tensors()}
+
+    fresh: dict[str, torch.Tensor] = {}
+    targets = []
+    from fastckpt._format.dtypes import to_torch_dtype, torch_shape
+    from fastckpt._format.tensors import destination_buffer
+    from fastckpt._state.live_targets import live_optimizer_targets
+
+    reuse = {} if defer is None else live_optimizer_targets(
+        optimizer, _flat_fqns(optimizer, fqns, label), entries, path=path, map_location=map_location)
+    # map_location="cuda": state tensors (not ``step``) go straight to the device through pinned bounce buffers
+    device = torch.device(map_location) if map_location is not None else None
+    to_device = []
+    for name, dtype_name, shape, _begin, _end in entries.values():
+        if name in reuse:
+            fresh[name] = reuse[name]
+            continue
+        on_device = device is not None and device.type == "cuda" and name.startswith("state.") \
+            and not name.endswith(".step")
+        t = torch.empty(torch_shape(dtype_name, shape, name=name, path=path),
+                        dtype=to_torch_dtype(dtype_name, name=name, path=path), device=device if on_device else "cpu")
+        fresh[name] = t
+        buf = None if on_device else destination_buffer(t)
+        if buf is not None:
+            targets.append((name, buf))
+        elif on_device:
+            to_device.append((name, t))
+    file.read_into(targets)
+    if to_device:
+        from fastckpt._io.device_load import read_to_device
+
+        read_to_device(file, to_device)
+    if reuse:
+        defer.append((file, list(reuse.items())))
+
+    def resolve(key: str) -> torch.Tensor:
+        try:
+            return fresh[key]
+        except KeyError:
+            raise HeaderError(f"{path}: metadata refers to tensor {key!r}, which the file does not hold") from None
+
+    live = _flat_fqns(optimizer, fqns, label)
+    saved_class = metadata.get("optimizer")
+    live_class = optimizer_class_name(optimizer)
+    stand_in = (saved_class or "").startswith("fastckpt.") or live_class.startswith("fastckpt.")  # fastckpt convert
+    if strict and saved_class is not None and not stand_in and saved_class != live_class:
+        raise KeyMismatchError(
+            f"{path}: the state was saved by {saved_class} but the live {label} is {live_class}; its state keys "
+            "would not fit (load with strict=False to take the param_groups and state anyway)"
+        )
+    if strict and len(saved_groups) != len(optimizer.param_groups):
+        raise KeyMismatchError(
+            f"{path}: {len(saved_groups)} param_groups were saved but the live {label} has "
+            f"{len(optimizer.param_groups)}; load with strict=False to match groups by their parameters"
+        )
+    saved_group_of = {fqn: gi for gi, g in enumerate(saved_groups) for fqn in g["params"]}
+    uncovered = [fqn for fqn in live if fqn not in saved_group_of]
+    if strict and uncovered:
+        raise KeyMismatchError(
+            f"{path}: the saved param_groups do not cover {len(uncovered)} parameter(s) of the live {label}: "
+            f"{uncovered}; load with strict=False to start them fresh"
+        )
+    index_of = {fqn: i for i, fqn in enumerate(live)}
+    groups = []
+    position = 0
+    for live_group in optimizer.param_groups:
+        n = len(live_group["params"])
+        members = live[position: position + n]
+        source = next((saved_group_of[f] for f in members if f in saved_group_of), None)
+        if source is None:
+            hyper = {k: v for k, v in live_group.items() if k != "params"}
+        else:
+            hyper = decode_json({k: v for k, v in saved_groups[source].items() if k != "params"},
+                                f"{path}: metadata 'param_groups'", tensors=resolve)
+        groups.append({**hyper, "params": list(range(position, position + n))})
+        position += n
+
+    state: dict[int, dict[str, Any]] = {}
+    for fqn in live:
+        if fqn not in saved_group_of:
+            continue
+        values: dict[str, Any] = {}
+        for name in state_names.get(fqn, []):
+            t = resolve(f"state.{fqn}.{name}")
+            if map_location is not None and name != "step":
+                t = t.to(map_location)
+            values[name] = t
+        for name, encoded in extra.get(fqn, {}).items():
+            values[name] = decode_json(encoded, f"{path}: metadata 'extra_state'", tensors=resolve)
+        if values:
+            state[index_of[fqn]] = values
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,82 @@
+"""The ``fastckpt`` command line: ``fastckpt COMMAND [flags]`` (also ``python -m fastckpt COMMAND``).
+
+Each subcommand lives in its own module, listed in :data:`SUBCOMMANDS`, which provides:
+
+- ``HELP``: one line for ``fastckpt --help``;
+- ``add_arguments(parser)``: adds the subcommand's flags to its ``argparse`` parser;
+- ``run(args) -> int``: does the work and returns the exit status;
+- optionally ``EPILOG``: text after the flags in ``fastckpt COMMAND --help`` (the exit statuses).
+
+Usage errors (bad flags) exit 2, as ``argparse`` does. When stdout is closed early (``fastckpt inspect H | head``),
+the command stops quietly with exit status 141 (128 + SIGPIPE, what a shell reports for a killed writer).
+
+Adding ``convert``, ``verify`` or ``inspect`` is one module plus one line here.
+
+Layer 5 (public). May import every private layer and the public modules; the subcommands import lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
+
+#: subcommand name -> module implementing it
+SUBCOMMANDS: dict[str, str] = {
+    "demo": "fastckpt.demo",
+    "convert": "fastckpt.cli.convert",
+    "verify": "fastckpt.cli.verify",
+    "inspect": "fastckpt.cli.inspect",
+}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("fastckpt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per entry of :data:`SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="fastckpt", description="Fast, pickle-free PyTorch checkpoints with a Rust core."
+    )
+    parser.add_argument("--version", action="version", version=f"fastckpt {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=module.HELP, description=module.HELP,
+                                  epilog=getattr(module, "EPILOG", None))
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the chosen subcommand, return its exit status.
+
+    Example:
+        >>> main(["demo", "--size", "tiny", "--steps", "2"])  # doctest: +SKIP
+        0
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        status = args.run(args)
+        sys.stdout.flush()  # surface a closed pipe here, not in the interpreter's shutdown
+        return status
+    except BrokenPipeError:
+        # the reader went away (e.g. ``| head``): point stdout at devnull so the final flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a real file (captured): nothing to redirect
+            pass
+        finally:
+            os.close(devnull)
+        return 141

@@ -1,0 +1,131 @@
+"""``fastckpt inspect DIR|FILE``: what a checkpoint holds, without loading any tensor.
+
+For a checkpoint folder: the manifest's mode, step, versions and part counts; every file with its size and crc32c;
+then, for every safetensors file, its tensors (name, dtype, shape, bytes) in file order and its metadata keys.
+For a lone ``.safetensors`` file: its tensors and metadata. Only headers are read (each is fully validated).
+``--json`` prints the same as one JSON object. In the tables, names holding control or other non-printable characters
+are printed escaped (``a\x1b[31m`` as ``a\\x1b[31m``), so a hostile file cannot drive the terminal.
+
+Exit status: 0 shown; 1 a malformed checkpoint or file; 2 not a checkpoint, unreadable, or a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _core
+from fastckpt._io.layout import MANIFEST, checkpoint_layout, read_manifest
+from fastckpt.errors import CheckpointError
+
+__all__ = ["HELP", "EPILOG", "add_arguments", "run", "describe"]
+
+HELP = "show what a checkpoint folder or safetensors file holds: parts, tensors, dtypes, shapes, sizes, mode"
+EPILOG = "exit status: 0 shown; 1 a malformed checkpoint or file; 2 not a checkpoint, unreadable, or a usage error"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``fastckpt inspect`` flags (see :mod:`fastckpt.cli`)."""
+    parser.add_argument("path", metavar="DIR|FILE", help="a checkpoint folder, or one .safetensors file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--limit", type=int, default=0, metavar="N",
+                        help="show at most N tensors per file (default 0: all)")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"  # pragma: no cover
+
+
+def _safe(text: str) -> str:
+    """``text`` for a terminal: unchanged when printable, else with every non-printable character escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _describe_file(path: Path) -> dict[str, Any]:
+    f = _core.SafetensorsFile(str(path))
+    tensors = [{"name": n, "dtype": d, "shape": s, "bytes": e - b} for n, d, s, b, e in f.tensors()]
+    return {"file": path.name, "bytes": f.file_size, "metadata": f.metadata(), "tensors": tensors}
+
+
+def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``path`` (a checkpoint folder or a safetensors file) holds, as a JSON-ready dict.
+
+    Raises:
+        MissingStateError: a folder that is not a checkpoint (or an unfinished save).
+        HeaderError, TruncatedFileError, DtypeError: a malformed manifest or file. OSError: unreadable.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return {"kind": "safetensors file", "path": str(path), **_describe_file(path)}
+    layout = checkpoint_layout(path)
+    out: dict[str, Any] = {"kind": "checkpoint", "path": str(path), "layout": layout}
+    if (path / MANIFEST).is_file():
+        manifest = read_manifest(path, check_sizes=False)
+        out.update({k: v for k, v in manifest.items() if k not in ("files", "format")})
+        listed = manifest.get("files", {})
+        out["files"] = [{"file": name, "bytes": info["bytes"], "crc32c": info.get("crc32c")}
+                        for name, info in listed.items()]
+    else:
+        out["files"] = [{"file": p.name, "bytes": p.stat().st_size, "crc32c": None}
+                        for p in sorted(path.iterdir()) if p.is_file()]
+    out["tensor_files"] = [_describe_file(path / f["file"]) for f in out["files"]
+                           if f["file"].endswith(".safetensors") and (path / f["file"]).is_file()]
+    return out
+
+
+def _print_tensors(desc: dict[str, Any], limit: int) -> None:
+    tensors = desc["tensors"]
+    total = sum(t["bytes"] for t in tensors)
+    print(f"\n{_safe(desc['file'])}: {len(tensors)} tensors, {total:,} bytes of data ({_human(total)})")
+    if desc["metadata"]:
+        keys = ", ".join(_safe(k) for k in sorted(desc["metadata"]))
+        print(f"  metadata keys: {keys if len(keys) < 200 else keys[:200] + '...'}")
+    shown = tensors if limit <= 0 else tensors[:limit]
+    if shown:
+        names = [_safe(t["name"]) for t in shown]
+        width = max(map(len, names))
+        for name, t in zip(names, shown):
+            shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+            print(f"  {name:<{width}}  {t['dtype']:<11} {shape:<18} {t['bytes']:>14,} B")
+    if len(shown) < len(tensors):
+        print(f"  ... and {len(tensors) - len(shown)} more (--limit 0 shows all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print ``describe(args.path)``; returns 0, 1 for a malformed checkpoint, 2 when it is not one."""
+    try:
+        desc = describe(args.path)
+    except CheckpointError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, FileNotFoundError) else 1
+    except OSError as exc:
+        print(f"fastckpt inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(desc, indent=2))
+        return 0
+    if desc["kind"] == "safetensors file":
+        print(f"{_safe(desc['path'])}: safetensors file, {desc['bytes']:,} bytes ({_human(desc['bytes'])})")
+        _print_tensors(desc, args.limit)
+        return 0
+    print(f"{_safe(desc['path'])}: checkpoint, layout {desc['layout']}")
+    facts = [f"{k} {desc[k]}" for k in ("mode", "step", "models", "optimizers", "schedulers", "format_version",
+                                         "fastckpt_version") if k in desc]
+    if facts:
+        print("  " + ", ".join(facts))
+    width = max((len(_safe(f["file"])) for f in desc["files"]), default=4)
+    print(f"\n{len(desc['files'])} files:")
+    for f in desc["files"]:
+        crc = f"crc32c {f['crc32c']}" if f["crc32c"] else "no checksum"
+        print(f"  {_safe(f['file']):<{width}}  {f['bytes']:>14,} B  {crc}")
+    for tf in desc["tensor_files"]:
+        _print_tensors(tf, args.limit)
+    return 0

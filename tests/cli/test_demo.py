@@ -1,0 +1,126 @@
+"""``fastckpt demo`` and its GPT-2 model: parameter counts, the bit-exact round trip of all three checkpoints,
+the exit status, ``--keep``, and the ``python -m fastckpt`` entry point."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import demo
+from fastckpt.cli import main
+from fastckpt.demo import compare as _demo_verify
+from fastckpt.demo.gpt2 import GPT, PRESETS, GPTConfig, num_parameters
+
+ROWS = ["fastckpt full", "fastckpt model_only", "accelerate"]
+
+
+def _meta_model(config: GPTConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def test_gpt2_small_has_gpt2_parameter_count():
+    # GPT-2 small with the head tied to the token embedding: 124,439,808 (50257 x 768 + 1024 x 768 +
+    # 12 x 7,087,872 + 2 x 768).
+    assert num_parameters(_meta_model(PRESETS["small"])) == 124_439_808
+
+
+def test_gpt2_tiny_parameter_count():
+    # 256 x 64 + 64 x 64 + 2 x 49,984 + 2 x 64
+    assert num_parameters(_meta_model(PRESETS["tiny"])) == 120_576
+
+
+def test_lm_head_is_tied_to_token_embedding():
+    model = _meta_model(PRESETS["tiny"])
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert {"lm_head.weight", "transformer.wte.weight"} <= set(model.state_dict())
+
+
+def test_config_json_round_trips():
+    config = PRESETS["tiny"]
+    data = json.loads(config.to_json_string())
+    assert data.pop("architecture") == "fastckpt-demo-gpt2" and "model_type" not in data
+    assert GPTConfig(**data) == config
+
+
+def test_demo_tiny_verifies_all_three_checkpoints(capsys):
+    assert main(["demo", "--size", "tiny", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(tuple(name + "  " for name in ROWS))]
+    assert [row[: len(name)] for row, name in zip(rows, ROWS)] == ROWS, out
+    assert all(row.split()[-1] == "yes" for row in rows), out
+    assert "FAILED" not in out
+
+
+def test_run_demo_keep_writes_each_checkpoint(tmp_path):
+    result = demo.run_demo("tiny", steps=3, out_dir=tmp_path, stream=io.StringIO())
+    assert result.ok
+    assert [row.name for row in result.rows] == ROWS
+    assert len(result.losses) == 3
+    assert result.parameters == 120_576
+    full, model_only, accel = (tmp_path / name for name in ("fastckpt_full", "fastckpt_model_only", "accelerate"))
+    assert json.loads((full / "fastckpt.json").read_text())["mode"] == "full"
+    assert json.loads((model_only / "fastckpt.json").read_text())["mode"] == "model_only"
+    assert not (model_only / "optimizer.safetensors").exists()
+    assert {p.name for p in accel.iterdir()} >= {"model.safetensors", "optimizer.bin", "scheduler.bin"}
+    for row in result.rows:
+        assert row.bytes_written == sum(p.stat().st_size for p in row.path.iterdir())
+    with pytest.raises(FileExistsError):
+        demo.run_demo("tiny", steps=1, out_dir=tmp_path, stream=io.StringIO())
+
+
+def test_demo_keep_refuses_a_used_folder(tmp_path, capsys):
+    (tmp_path / "fastckpt_full").mkdir()
+    assert main(["demo", "--size", "tiny", "--keep", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "fastckpt_full already exists" in captured.err
+    assert captured.out == ""  # refused before training
+
+
+def test_demo_reports_a_raising_save_and_runs_the_other_rows(monkeypatch, capsys):
+    def broken_save(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fastckpt, "save_state", broken_save)
+    assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED fastckpt full: save raised OSError: [Errno 28] No space left on device" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith(tuple(ROWS))] == ["no", "no", "yes"]
+
+
+def test_demo_exits_nonzero_when_a_load_restores_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(fastckpt, "load_state", lambda *args, **kwargs: None)
+    assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED fastckpt full: model.transformer.wte.weight: tensor values differ" in out
+    assert "FAILED accelerate" not in out
+
+
+def test_diff_is_type_strict():
+    assert _demo_verify.diff({"betas": (0.9, 0.95)}, {"betas": (0.9, 0.95)}, "g") == []
+    assert _demo_verify.diff({"betas": (0.9, 0.95)}, {"betas": [0.9, 0.95]}, "g") == [
+        "g.betas: tuple (0.9, 0.95) != list [0.9, 0.95]"
+    ]
+    assert _demo_verify.diff(torch.zeros(2), torch.zeros(2, dtype=torch.float64), "t") == [
+        "t: torch.float32[2] != torch.float64[2]"
+    ]
+    assert _demo_verify.diff(1, 1.0, "n") == ["n: int 1 != float 1.0"]
+
+
+@pytest.mark.slow
+def test_python_dash_m_fastckpt_demo():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "demo", "--size", "tiny", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sum(line.rstrip().endswith("yes") for line in proc.stdout.splitlines()) == 3, proc.stdout

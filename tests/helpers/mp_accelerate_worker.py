@@ -1,0 +1,179 @@
+"""One process of the two-process accelerate test (``torchrun --nproc-per-node 2``, gloo, CPU).
+
+Usage: ``torchrun --standalone --nproc-per-node 2 tests/helpers/mp_accelerate_worker.py OUT_DIR``. Each rank writes
+``OUT_DIR/rank{r}.json``: ``{check name: value}``; tests/test_multiprocess.py asserts on them and on the files.
+
+A: fastckpt.accelerate save (automatic naming, total_limit) -> load into fresh objects (latest), per-rank RNG.
+B: compat="accelerate" save -> stock ``Accelerator.load_state`` in two processes.
+C: stock ``Accelerator.save_state`` (DDP ``module.`` keys, two RNG files) -> fastckpt.accelerate load.
+D: rank 1's RNG file damaged -> rank 1 raises HeaderError, rank 0 CheckpointError, nothing changes on either.
+E: the main process cannot write -> it raises its OSError, rank 1 CheckpointError; the group stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch import nn
+
+import fastckpt
+import fastckpt.accelerate
+
+OUT = Path(sys.argv[1])
+checks: dict[str, object] = {}
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+def prepared(acc: Accelerator, seed: int, steps: int = 0):
+    model, opt, sched = acc.prepare(*build(seed))
+    g = torch.Generator().manual_seed(500 + acc.process_index)  # different data per rank; DDP averages grads
+    for _ in range(steps):
+        opt.zero_grad()
+        acc.backward(nn.functional.mse_loss(model(torch.randn(6, 4, generator=g)), torch.randn(6, 3, generator=g)))
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def state(acc, model, opt, sched):
+    return ({k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+            sched.state_dict())
+
+
+def same(a, b) -> bool:
+    (ma, oa, sa), (mb, ob, sb) = a, b
+    return (ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+            and oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+            and sa == sb)
+
+
+def seed_rngs(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def draws():
+    return [random.random(), float(np.random.rand()), torch.rand(2).tolist()]
+
+
+def scenario_a(rank: int) -> None:
+    config = dict(project_dir=str(OUT / "proj"), automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(**config))
+    checks["distributed_type"] = str(acc.distributed_type)
+    model, opt, sched = prepared(acc, 0, steps=2)
+    acc.step = 3
+    seed_rngs(100 + rank)
+    paths = [fastckpt.accelerate.save_state(acc) for _ in range(3)]
+    checks["A_paths"] = [str(p) for p in paths]
+    expected, after = state(acc, model, opt, sched), draws()
+
+    acc2 = Accelerator(cpu=True, project_config=ProjectConfiguration(**config))
+    model2, opt2, sched2 = prepared(acc2, 7)
+    seed_rngs(999)
+    fastckpt.accelerate.load_state(acc2)
+    checks["A_state_equal"] = same(state(acc2, model2, opt2, sched2), expected)
+    checks["A_draws_equal"] = draws() == after
+    checks["A_step"] = acc2.step
+    checks["A_iteration"] = acc2.project_configuration.iteration
+
+
+def scenario_b(rank: int) -> None:
+    acc = Accelerator(cpu=True)
+    model, opt, sched = prepared(acc, 1, steps=2)
+    seed_rngs(200 + rank)
+    path = fastckpt.accelerate.save_state(acc, OUT / "compat", compat="accelerate")
+    expected, after = state(acc, model, opt, sched), draws()
+    acc.save_state(str(OUT / "compat_stock"))  # stock output of the same state, for a byte comparison
+    dist.barrier()
+    acc2 = Accelerator(cpu=True)
+    model2, opt2, sched2 = prepared(acc2, 8)
+    seed_rngs(999)
+    acc2.load_state(str(path))  # stock accelerate, two processes
+    checks["B_state_equal"] = same(state(acc2, model2, opt2, sched2), expected)
+    checks["B_draws_equal"] = draws() == after
+
+
+def scenario_c(rank: int) -> None:
+    acc = Accelerator(cpu=True)
+    model, opt, sched = prepared(acc, 2, steps=2)
+    seed_rngs(300 + rank)
+    acc.step = 4
+    acc.save_state(str(OUT / "stock"))
+    expected, after = state(acc, model, opt, sched), draws()
+    dist.barrier()  # stock save_state has no barrier at its end
+    acc2 = Accelerator(cpu=True)
+    model2, opt2, sched2 = prepared(acc2, 9)
+    seed_rngs(999)
+    fastckpt.accelerate.load_state(acc2, OUT / "stock")
+    checks["C_state_equal"] = same(state(acc2, model2, opt2, sched2), expected)
+    checks["C_draws_equal"] = draws() == after
+    checks["C_step"] = acc2.step
+
+
+def scenario_d(rank: int) -> None:
+    acc = Accelerator(cpu=True)
+    if rank == 0:
+        shutil.copytree(OUT / "stock", OUT / "broken")
+        data = (OUT / "broken" / "random_states_1.pkl").read_bytes()
+        (OUT / "broken" / "random_states_1.pkl").write_bytes(data[: len(data) // 2])
+    dist.barrier()
+    model, opt, sched = prepared(acc, 10)
+    before = state(acc, model, opt, sched)
+    try:
+        fastckpt.accelerate.load_state(acc, OUT / "broken")
+        checks["D_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the type is the result
+        checks["D_error"] = type(exc).__name__
+        checks["D_message"] = str(exc)
+    checks["D_unchanged"] = same(state(acc, model, opt, sched), before)
+
+
+def scenario_e(rank: int) -> None:
+    acc = Accelerator(cpu=True)
+    prepared(acc, 11)
+    if rank == 0:
+        (OUT / "a_file").write_text("not a folder")
+    dist.barrier()
+    try:
+        fastckpt.accelerate.save_state(acc, OUT / "a_file" / "ckpt")
+        checks["E_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the type is the result
+        checks["E_error"] = type(exc).__name__
+    dist.barrier()
+    checks["E_group_usable"] = True
+
+
+def main() -> None:
+    rank = int(dist.get_rank()) if dist.is_initialized() else int(__import__("os").environ.get("RANK", 0))
+    try:
+        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e):
+            scenario(rank)
+    except Exception:
+        checks["crash"] = traceback.format_exc()
+    rank = dist.get_rank() if dist.is_initialized() else rank
+    (OUT / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

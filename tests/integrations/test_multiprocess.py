@@ -1,0 +1,94 @@
+"""Two real processes (``torchrun --nproc-per-node 2``, gloo, CPU) save and load through fastckpt.accelerate and
+stock accelerate: the main process writes the shared files and every rank's RNG file in one commit, every rank
+restores its own RNG streams, a failure on one rank stops every rank before anything changes, and a failed save on
+the main process raises on every rank. The scenarios run in tests/helpers/mp_accelerate_worker.py (one launch, ~20 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch as st
+import torch
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_accelerate_worker.py"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    out = tmp_path_factory.mktemp("mp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)
+               if (out / f"rank{r}.json").is_file()]
+    assert proc.returncode == 0 and len(results) == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    crashes = [f"rank {r}:\n{res['crash']}" for r, res in enumerate(results) if "crash" in res]
+    assert not crashes, "\n".join(crashes)
+    return out, results
+
+
+def test_two_processes_with_gloo(run):
+    out, results = run
+    assert [r["distributed_type"] for r in results] == ["DistributedType.MULTI_CPU"] * 2
+
+
+def test_save_and_load_every_rank(run):
+    out, results = run
+    for rank, res in enumerate(results):
+        assert res["A_paths"] == [str(out / "proj" / "checkpoints" / f"checkpoint_{n}") for n in range(3)], rank
+        assert res["A_state_equal"] is True and res["A_draws_equal"] is True, rank
+        assert res["A_step"] == 3 and res["A_iteration"] == 3, rank
+    names = sorted(p.name for p in (out / "proj" / "checkpoints").iterdir())
+    assert names == ["checkpoint_1", "checkpoint_2"]  # total_limit=2
+    latest = out / "proj" / "checkpoints" / "checkpoint_2"
+    assert sorted(p.name for p in latest.iterdir()) == [
+        "fastckpt.json", "model.safetensors", "optimizer.safetensors", "random_states_0.safetensors",
+        "random_states_1.safetensors", "scheduler.json",
+    ]
+    rng0 = st.load_file(latest / "random_states_0.safetensors")
+    rng1 = st.load_file(latest / "random_states_1.safetensors")
+    assert not torch.equal(rng0["torch"], rng1["torch"])  # each rank's own streams (seeded 100 + rank)
+    torch.manual_seed(101)
+    assert torch.equal(rng1["torch"], torch.get_rng_state())
+    assert json.loads((latest / "fastckpt.json").read_text())["processes"] == 2
+    assert not any(p.name.startswith(".") for p in (out / "proj" / "checkpoints").iterdir())  # no staging left
+    assert list(st.load_file(latest / "model.safetensors")) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_compat_save_restored_by_stock_accelerate_in_two_processes(run):
+    out, results = run
+    assert all(r["B_state_equal"] is True and r["B_draws_equal"] is True for r in results)
+    assert sorted(p.name for p in (out / "compat").iterdir()) == [
+        "fastckpt.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
+        "scheduler.bin",
+    ]
+    # the same model file accelerate writes under DDP (accelerator._models holds the bare module on CPU)
+    assert (out / "compat" / "model.safetensors").read_bytes() == (out / "compat_stock" / "model.safetensors").read_bytes()
+
+
+def test_stock_two_process_output_loaded_by_fastckpt(run):
+    out, results = run
+    assert all(r["C_state_equal"] is True and r["C_draws_equal"] is True and r["C_step"] == 4 for r in results)
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in (out / "stock").iterdir()}
+
+
+def test_one_rank_failing_stops_every_rank_before_any_change(run):
+    out, (r0, r1) = run
+    assert r1["D_error"] == "HeaderError" and "random_states_1.pkl" in r1["D_message"]
+    assert r0["D_error"] == "CheckpointError" and "failed on process 1: HeaderError" in r0["D_message"]
+    assert r0["D_unchanged"] is True and r1["D_unchanged"] is True
+
+
+def test_failed_save_raises_on_every_rank(run):
+    out, (r0, r1) = run
+    assert r0["E_error"] == "FileExistsError" and r1["E_error"] == "CheckpointError"
+    assert r0["E_group_usable"] is True and r1["E_group_usable"] is True
