@@ -14,10 +14,12 @@ from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
     CheckpointError,
+    ClosedFileError,
     DtypeError,
     HeaderError,
     IntegrityError,
     KeyMismatchError,
+    MetaTensorError,
     MissingStateError,
     ShapeMismatchError,
     TruncatedFileError,
@@ -25,13 +27,21 @@ from fastckpt.errors import (
 )
 
 
-def __getattr__(name: str):  # ``fastckpt.accelerate`` on first use: accelerate stays an optional dependency
-    if name == "accelerate":
+#: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
+#: optional accelerate stay out of ``import fastckpt``
+_LAZY_SUBMODULES = ("accelerate", "torch", "cli", "demo")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
         import importlib
 
-        return importlib.import_module(".accelerate", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 
 __all__ = [
@@ -53,5 +63,7 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "ClosedFileError",
+    "MetaTensorError",
     "__version__",
 ]

@@ -150,8 +150,11 @@ class SafetensorsFile:
         >>> raw = memoryview(f)[f.data_start + begin : f.data_start + end]
     """
 
-    def __new__(cls, path: _StrPath) -> SafetensorsFile:
+    def __new__(cls, path: _StrPath, *, mmap: bool = True) -> SafetensorsFile:
         """Open and fully validate ``path`` (opened non-blocking: a FIFO never hangs the reader).
+
+        ``mmap=False`` maps nothing: the tensors are read only by ``read_into`` / ``read_ranges`` (bounded memory),
+        and the buffer protocol raises BufferError.
 
         Raises:
             HeaderError, TruncatedFileError, DtypeError: a malformed file, or one that is not a regular file (a

@@ -24,6 +24,8 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "ClosedFileError",
+    "MetaTensorError",
 ]
 
 
@@ -67,3 +69,11 @@ class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
 
     Raised unless the load passes ``trust_pickle=True``; the message names the file and the global it needs.
     """
+
+
+class ClosedFileError(CheckpointError, ValueError):
+    """A ``safe_open`` handle was used after its ``with`` block (safetensors: "File is closed")."""
+
+
+class MetaTensorError(CheckpointError, NotImplementedError):
+    """A tensor on the meta device has no data to save (safetensors raises NotImplementedError too)."""

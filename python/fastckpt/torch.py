@@ -1,9 +1,14 @@
 """Drop-in replacement for ``safetensors.torch`` (0.8): same functions, signatures and return values.
 
+The whole public surface of ``safetensors.torch`` is here (``storage_ptr``, ``storage_size``, ``TensorSpec``,
+``serialize``, ``serialize_file``, ``deserialize`` too), so ``sys.modules["safetensors.torch"] = fastckpt.torch``
+keeps ``import transformers`` working.
+
 Differences that only add: files are written by several threads straight from tensor memory and fsynced
-(``durable=True``); non-contiguous tensors are written in logical order instead of refused; ``load`` also reads
-F8_E8M0 and F4 (which the official bytes loader misses); errors are :mod:`fastckpt.errors` classes that name the
-file, tensor and sizes (they still subclass ValueError / TypeError / KeyError / FileNotFoundError).
+(``durable=True``); non-contiguous tensors are written in logical order instead of refused (deliberately: the
+official writer raises ValueError); ``load`` also reads F8_E8M0 and F4 (which the official bytes loader misses);
+errors are :mod:`fastckpt.errors` classes that name the file, tensor and sizes (they still subclass the builtin
+safetensors raises: ValueError / TypeError / KeyError / FileNotFoundError / NotImplementedError for meta tensors).
 
 Example:
     >>> from fastckpt.torch import save_file, load_file
@@ -20,33 +25,40 @@ from typing import Any, Dict, List, Tuple, Union
 import torch
 
 from fastckpt import _core
+from fastckpt._format.tensor_spec import TensorSpec, deserialize, metadata_pairs, serialize, serialize_file
 from fastckpt._format.tensors import tensor_from_buffer, tensor_sources
 from fastckpt._state.model import find_aliases, load_into_module
-from fastckpt.errors import KeyMismatchError
+from fastckpt._io.safe_open import safe_open
 
-__all__ = ["save_file", "load_file", "save", "load", "safe_open", "save_model", "load_model"]
+__all__ = [
+    "save_file", "load_file", "save", "load", "safe_open", "save_model", "load_model",
+    "storage_ptr", "storage_size", "TensorSpec", "serialize", "serialize_file", "deserialize",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
+_metadata_pairs = metadata_pairs
 
 
-def _metadata_pairs(metadata: Dict[str, str] | None) -> List[Tuple[str, str]] | None:
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict):
-        raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
-    for key, value in metadata.items():
-        if not isinstance(key, str):
-            raise TypeError(f"metadata keys must be str: got {type(key).__name__} {key!r}")
-        if not isinstance(value, str):
-            raise TypeError(
-                f"metadata values must be str: key {key!r} holds {type(value).__name__} {value!r} "
-                "(the safetensors header stores text only; convert it with str() or json.dumps())"
-            )
-    return list(metadata.items())
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage (0 for a meta tensor), as ``safetensors.torch.storage_ptr``."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return 0
+
+
+def storage_size(tensor: torch.Tensor) -> int:
+    """The size in bytes of ``tensor``'s whole storage (for a meta tensor: its own size), as safetensors'."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return tensor.nelement() * tensor.element_size()
 
 
 def _refuse_shared(tensors: Dict[str, torch.Tensor]) -> None:
     """safetensors refuses tensors that share memory; so do we, naming every group (C5)."""
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors).__name__}")
     groups = find_aliases(tensors, any_overlap=True)
     if groups:
         raise RuntimeError(
@@ -73,8 +85,10 @@ def save_file(
         threads: writer threads; 0 picks min(8, cores).
 
     Raises:
-        TypeError: a metadata value is not a str (names the key).
-        ValueError: a reserved (``__metadata__``) or control-character name, a sparse tensor.
+        TypeError: a metadata value or a tensor name is not a str (names it).
+        ValueError: ``tensors`` is not a dict; a reserved (``__metadata__``) or control-character name, a sparse
+            tensor, a value that is not a tensor.
+        fastckpt.MetaTensorError (a NotImplementedError, as safetensors): a meta tensor.
         RuntimeError: two tensors share memory (as safetensors).
         fastckpt.DtypeError: a dtype the format cannot store.
         OSError: the file cannot be written; the previous file, if any, is untouched.
@@ -90,104 +104,18 @@ def save(tensors: Dict[str, torch.Tensor], metadata: Dict[str, str] | None = Non
     return _core.serialize(tensor_sources(tensors), _metadata_pairs(metadata))
 
 
-class _Slice:
-    """A lazily sliced tensor, as ``safe_open(...).get_slice(name)`` returns (``get_shape``, ``get_dtype``, ``[]``)."""
-
-    def __init__(self, tensor: torch.Tensor, dtype_name: str, shape: List[int]) -> None:
-        self._tensor = tensor
-        self._dtype_name = dtype_name
-        self._shape = shape
-
-    def get_shape(self) -> List[int]:
-        return list(self._shape)
-
-    def get_dtype(self) -> str:
-        return self._dtype_name
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self._tensor[index].clone()
-
-
-class safe_open:  # noqa: N801 - the name safetensors users import
-    """Open a safetensors file lazily: the header is validated, the data is mapped, nothing is read yet.
-
-    Args:
-        filename: path of a ``.safetensors`` file.
-        framework: ``"pt"`` (``"torch"`` and ``"pytorch"`` are accepted too).
-        device: where ``get_tensor`` puts tensors (``"cpu"``, ``"cuda:0"``, an int, a ``torch.device``).
-
-    Raises:
-        FileNotFoundError / PermissionError: the file cannot be opened.
-        fastckpt.HeaderError, fastckpt.TruncatedFileError, fastckpt.DtypeError: the file is malformed.
-
-    Example:
-        >>> with safe_open("model.safetensors", framework="pt") as f:
-        ...     w = f.get_tensor(f.keys()[0])
-    """
-
-    def __init__(self, filename: PathLike, framework: str = "pt", device: Union[str, int, torch.device] = "cpu",
-                 **_ignored: Any) -> None:
-        if framework not in ("pt", "torch", "pytorch"):
-            raise ValueError(f"fastckpt.torch.safe_open only serves torch tensors (framework='pt'), got {framework!r}")
-        self._path = os.fspath(filename)
-        self._device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-        self._file = _core.SafetensorsFile(self._path)
-        self._view = memoryview(self._file)
-        self._entries = {e[0]: e for e in self._file.tensors()}
-
-    def __enter__(self) -> safe_open:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def keys(self) -> List[str]:
-        """Tensor names, sorted (as safetensors)."""
-        return sorted(self._entries)
-
-    def offset_keys(self) -> List[str]:
-        """Tensor names in the order their bytes appear in the file."""
-        return list(self._entries)
-
-    def metadata(self) -> Dict[str, str] | None:
-        """The header's ``__metadata__`` (``None`` when the file has none)."""
-        return self._file.metadata()
-
-    def _mapped(self, name: str) -> torch.Tensor:
-        try:
-            _, dtype_name, shape, begin, end = self._entries[name]
-        except KeyError:
-            raise KeyMismatchError(f"{self._path}: no tensor named {name!r} ({len(self._entries)} tensors)") from None
-        start = self._file.data_start
-        return tensor_from_buffer(self._view, dtype_name, shape, start + begin, start + end,
-                                  name=name, path=self._path)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` on the requested device (on CPU: a zero-copy view of a private mapping)."""
-        t = self._mapped(name)
-        return t if self._device.type == "cpu" else t.to(self._device)
-
-    def get_slice(self, name: str) -> _Slice:
-        """A slice handle: ``f.get_slice("w")[:, 2:4]`` reads only what the slice covers."""
-        t = self._mapped(name)
-        _, dtype_name, shape, _, _ = self._entries[name]
-        return _Slice(t if self._device.type == "cpu" else t.to(self._device), dtype_name, shape)
-
-    def get_tensors(self) -> Dict[str, torch.Tensor]:
-        """Every tensor, in file order."""
-        return {name: self.get_tensor(name) for name in self._entries}
-
-
-def load_file(filename: PathLike, device: Union[str, int] = "cpu", **_ignored: Any) -> Dict[str, torch.Tensor]:
+def load_file(filename: PathLike, device: Union[str, int] = "cpu", *, backend: str = "mmap") -> Dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file (``{name: tensor}`` in file order), like ``safetensors.torch``.
 
-    On CPU the tensors view a private, writable mapping of the file: no copy, and writing to them never
-    reaches the file.
+    With ``backend="mmap"`` (default) CPU tensors view a private, writable mapping of the file: no copy, and
+    writing to them never reaches the file. ``backend="pread"`` maps nothing and reads each tensor into its own
+    memory by positional reads.
 
     Raises:
-        FileNotFoundError, fastckpt.HeaderError, fastckpt.TruncatedFileError, fastckpt.DtypeError.
+        FileNotFoundError, fastckpt.HeaderError, fastckpt.TruncatedFileError, fastckpt.DtypeError;
+        ValueError: an unknown ``backend``.
     """
-    with safe_open(filename, framework="pt", device=device) as f:
+    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
         return f.get_tensors()
 
 
@@ -228,7 +156,7 @@ def save_model(model: torch.nn.Module, filename: PathLike, metadata: Dict[str, s
 
 
 def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
-               device: Union[str, int] = "cpu", **_ignored: Any) -> Tuple[List[str], List[str]]:
+               device: Union[str, int] = "cpu", *, backend: str = "mmap") -> Tuple[List[str], List[str]]:
     """Load a file written by :func:`save_model` into ``model``; tied tensors are understood.
 
     Returns:
@@ -238,6 +166,8 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
         RuntimeError: ``strict`` and some names are missing or unexpected (as safetensors).
     """
     del device  # tensors land on the device of the parameter they are loaded into
+    if backend not in ("mmap", "pread"):
+        raise ValueError(f'backend "{backend}" is invalid (expected one of: "mmap", "pread")')
     missing, unexpected = load_into_module(model, os.fspath(filename), strict=False)
     if strict and (missing or unexpected):
         error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fastckpt._format.dtypes import F4, stored_shape, to_safetensors_dtype, to_torch_dtype, torch_shape
-from fastckpt.errors import DtypeError
+from fastckpt.errors import DtypeError, MetaTensorError
 
 __all__ = ["TensorSource", "tensor_source", "tensor_sources", "tensor_from_buffer", "file_tensors", "destination_buffer"]
 
@@ -39,7 +39,8 @@ def tensor_source(name: str, tensor: torch.Tensor) -> TensorSource:
 
     Raises:
         DtypeError: the dtype has no safetensors name (e.g. complex128).
-        ValueError: a sparse, quantized or meta tensor.
+        ValueError: a sparse or quantized tensor, or not a tensor.
+        MetaTensorError (a NotImplementedError, as safetensors): a meta tensor.
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
@@ -48,7 +49,7 @@ def tensor_source(name: str, tensor: torch.Tensor) -> TensorSource:
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be saved")
     if tensor.is_meta:
-        raise ValueError(f"tensor {name!r} is on the meta device and has no data to save")
+        raise MetaTensorError(f"tensor {name!r} is on the meta device and has no data to save")
     t = tensor.detach()
     dtype_name = to_safetensors_dtype(t.dtype, name=name)
     if t.device.type != "cpu":
@@ -66,13 +67,17 @@ def tensor_source(name: str, tensor: torch.Tensor) -> TensorSource:
 
 
 def tensor_sources(state_dict: Mapping[str, torch.Tensor]) -> list[TensorSource]:
-    """:func:`tensor_source` for every entry of a flat ``{name: tensor}`` mapping, in its order."""
+    """:func:`tensor_source` for every entry of a flat ``{name: tensor}`` mapping, in its order.
+
+    Raises:
+        ValueError: ``state_dict`` is not a mapping (as safetensors). TypeError: a name is not a str (as safetensors).
+    """
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"expected a dict of str -> torch.Tensor, got {type(state_dict).__name__}")
     sources = []
     for name, tensor in state_dict.items():
         if not isinstance(name, str):
-            raise ValueError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
+            raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
         sources.append(tensor_source(name, tensor))
     return sources
 

@@ -24,8 +24,7 @@ type ReadJob<'a> = (u64, &'a mut [u8], usize);
 pub struct SafetensorsFile {
     path: PathBuf,
     file: Mutex<Option<Arc<File>>>,
-    map: MmapMut,
-    map_ptr: MapPtr,
+    map: Option<(MmapMut, MapPtr)>,
     file_size: u64,
     header: Header,
     index: HashMap<String, usize>,
@@ -45,6 +44,13 @@ unsafe impl Sync for MapPtr {}
 impl SafetensorsFile {
     /// Open `path`, validate its header fully (see CORE_API.md) and map it.
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_with(path, true)
+    }
+
+    /// Open `path` and validate its header fully; map it only when `mapped` (unmapped, tensor bytes are served
+    /// by positional reads alone: memory stays bounded by what the caller reads, and [`mapping`](Self::mapping)
+    /// is empty).
+    pub fn open_with(path: &Path, mapped: bool) -> Result<Self> {
         let label = path.display().to_string();
         let file = open_file(path)?;
         let file_size = file.metadata().at(path, "reading the size of")?.len();
@@ -60,8 +66,13 @@ impl SafetensorsFile {
         // SAFETY: a private (copy-on-write) mapping: writes through it never reach the file. The file can
         // still be changed by others under the mapping (as with any mmap); fastckpt writes files through a
         // temp file + rename, so its own files are never modified in place.
-        let mut map = unsafe { MmapOptions::new().map_copy(&file) }.at(path, "mapping")?;
-        let map_ptr = MapPtr(NonNull::new(map.as_mut_ptr()).expect("a mapping is never null"));
+        let map = if mapped {
+            let mut map = unsafe { MmapOptions::new().map_copy(&file) }.at(path, "mapping")?;
+            let map_ptr = MapPtr(NonNull::new(map.as_mut_ptr()).expect("a mapping is never null"));
+            Some((map, map_ptr))
+        } else {
+            None
+        };
         let index = header
             .tensors
             .iter()
@@ -72,7 +83,6 @@ impl SafetensorsFile {
             path: path.to_path_buf(),
             file: Mutex::new(Some(Arc::new(file))),
             map,
-            map_ptr,
             file_size,
             header,
             index,
@@ -124,9 +134,18 @@ impl SafetensorsFile {
     }
 
     /// The whole private mapping: its first byte and its length. The memory stays valid, readable and
-    /// writable as long as `self` lives.
+    /// writable as long as `self` lives. An unmapped file (see [`open_with`](Self::open_with)) gives a
+    /// dangling pointer and length 0.
     pub fn mapping(&self) -> (NonNull<u8>, usize) {
-        (self.map_ptr.0, self.map.len())
+        match &self.map {
+            Some((map, ptr)) => (ptr.0, map.len()),
+            None => (NonNull::dangling(), 0),
+        }
+    }
+
+    /// Whether the file is mapped (false for [`open_with`](Self::open_with)`(path, false)`).
+    pub fn is_mapped(&self) -> bool {
+        self.map.is_some()
     }
 
     /// Drop the file handle (the mapping stays). `read_into` fails afterwards.

@@ -56,10 +56,12 @@ pub struct SafetensorsFile {
 #[pymethods]
 impl SafetensorsFile {
     /// Open `path` and validate its header fully; raises HeaderError, TruncatedFileError, DtypeError, OSError.
+    /// `mmap=False` maps nothing: tensors are read with `read_into` / `read_ranges` only.
     #[new]
-    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+    #[pyo3(signature = (path, *, mmap = true))]
+    fn new(py: Python<'_>, path: PathBuf, mmap: bool) -> PyResult<Self> {
         let inner = py
-            .detach(|| fastckpt_core::SafetensorsFile::open(&path))
+            .detach(|| fastckpt_core::SafetensorsFile::open_with(&path, mmap))
             .map_err(to_py)?;
         Ok(SafetensorsFile { inner })
     }
@@ -224,6 +226,12 @@ impl SafetensorsFile {
     ) -> PyResult<()> {
         if view.is_null() {
             return Err(PyBufferError::new_err("a NULL Py_buffer"));
+        }
+        if !slf.get().inner.is_mapped() {
+            return Err(PyBufferError::new_err(format!(
+                "{}: opened with mmap=False, so it has no mapping to view; use read_into",
+                slf.get().inner.path().display()
+            )));
         }
         let (ptr, len) = slf.get().inner.mapping();
         // SAFETY: `view` is a non-NULL Py_buffer supplied by the interpreter; the mapping is `len` bytes,
