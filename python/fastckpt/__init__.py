@@ -26,7 +26,6 @@ from fastckpt.errors import (
     UnsafePickleError,
 )
 
-
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
 _LAZY_SUBMODULES = ("accelerate", "torch", "cli", "demo")

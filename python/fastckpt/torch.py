@@ -20,15 +20,15 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Dict, List, Tuple, Union
 
 import torch
 
 from fastckpt import _core
 from fastckpt._format.tensor_spec import TensorSpec, deserialize, metadata_pairs, serialize, serialize_file
 from fastckpt._format.tensors import tensor_from_buffer, tensor_sources
-from fastckpt._state.model import find_aliases, load_into_module
 from fastckpt._io.safe_open import safe_open
+from fastckpt._state.model import find_aliases, load_into_module
 
 __all__ = [
     "save_file", "load_file", "save", "load", "safe_open", "save_model", "load_model",

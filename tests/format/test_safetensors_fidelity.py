@@ -166,10 +166,9 @@ def test_get_slice_equals_official(tmp_path, backend, index):
     with ft.safe_open(path, framework="pt", backend=backend) as f, safetensors.safe_open(path, framework="pt") as g:
         try:
             want = g.get_slice("w")[index]
-        except Exception as exc:  # the official slicer refuses some indices (negative steps): so may we
-            with pytest.raises(Exception):
+        except (ValueError, IndexError, safetensors.SafetensorError):  # the official slicer refuses negative steps
+            with pytest.raises((ValueError, IndexError)):
                 f.get_slice("w")[index]
-            del exc
             return
         assert_tensor_identical(f.get_slice("w")[index], want.contiguous())
         assert f.get_slice("w").get_shape() == g.get_slice("w").get_shape()
