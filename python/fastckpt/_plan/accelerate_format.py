@@ -36,7 +36,8 @@ import torch
 
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.layout import part_name
-from fastckpt._state.model import collect_model_state, model_config_json
+from fastckpt._state.hf_files import hf_model_files
+from fastckpt._state.model import collect_model_state
 from fastckpt._state.rng import RngState
 from fastckpt.errors import HeaderError, MissingStateError, UnsafePickleError
 
@@ -192,7 +193,7 @@ def build_accelerate_plan(
 
     Models go to unsharded ``model{_i}.safetensors`` with accelerate's metadata ``{"format": "pt"}`` and tied
     duplicates dropped; optimizers, schedulers and RNG states are ``torch.save`` bytes. A model-only plan holds the
-    model files and ``config.json`` (for ``from_pretrained``); a full plan holds exactly accelerate's files.
+    model files, ``config.json`` and ``generation_config.json`` (for ``from_pretrained``); a full plan holds exactly accelerate's files.
 
     Args:
         model_states: state dicts to write instead of ``models``' own (accelerate's save hooks may edit them).
@@ -214,8 +215,8 @@ def build_accelerate_plan(
         tensors, _aliases = collect_model_state(sd)
         plan.parts.append(FilePart(model_file(i), tensors, [("format", "pt")]))
     if model_only:
-        if models and (config := model_config_json(models[0])) is not None:
-            plan.texts["config.json"] = config
+        if models:
+            plan.texts.update(hf_model_files(models[0]))  # config.json, generation_config.json
         return plan
     for j, opt in enumerate(optimizers):
         plan.texts[part_name("optimizer", j, ".bin")] = torch_save_bytes(opt.state_dict())

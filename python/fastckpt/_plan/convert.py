@@ -61,6 +61,7 @@ class Snapshot:
     step: int = 0
     models: list[dict[str, torch.Tensor]] = field(default_factory=list)
     config: str | None = None
+    generation_config: str | None = None  # generation_config.json, carried with config.json
     optimizers: list[dict] = field(default_factory=list)
     fqns: list[list[str] | None] = field(default_factory=list)
     schedulers: list[Any] = field(default_factory=list)
@@ -180,6 +181,8 @@ def read_snapshot(folder: Path, *, trust_pickle: bool = False) -> Snapshot:
         _read_fastckpt(folder, snap)
     if (folder / "config.json").is_file():
         snap.config = (folder / "config.json").read_text(encoding="utf-8")
+    if (folder / "generation_config.json").is_file():
+        snap.generation_config = (folder / "generation_config.json").read_text(encoding="utf-8")
     return snap
 
 
@@ -252,6 +255,8 @@ def _plan(snap: Snapshot, to: str, max_shard_size: Any) -> SavePlan:
         plan.parts.append(FilePart(part_name("model", i, ".safetensors"), tensors, meta))
     if snap.config is not None and (model_only or not accel):
         plan.texts["config.json"] = snap.config
+        if snap.generation_config is not None:
+            plan.texts["generation_config.json"] = snap.generation_config
     if model_only:
         return _shard(plan, max_shard_size)
     if accel:

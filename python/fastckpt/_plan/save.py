@@ -16,7 +16,8 @@ import torch
 from fastckpt._format.codec import encode
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.layout import part_name, random_states_name
-from fastckpt._state.model import collect_model_state, model_config_json
+from fastckpt._state.hf_files import hf_model_files
+from fastckpt._state.model import collect_model_state
 from fastckpt._state.optimizer import optimizer_payload, param_fqns
 from fastckpt._state.rng import rng_payload
 
@@ -94,8 +95,8 @@ def build_save_plan(
         tensors, aliases = collect_model_state(m)
         plan.parts.append(FilePart(part_name("model", i, ".safetensors"), tensors,
                                    [("format", "pt"), *aliases.items()]))
-    if models and (config := model_config_json(models[0])) is not None:
-        plan.texts["config.json"] = config
+    if models:
+        plan.texts.update(hf_model_files(models[0]))  # config.json, generation_config.json
     if model_only:
         return _shard(plan, max_shard_size)
     fqns = param_fqns(models)

@@ -236,7 +236,7 @@ def load_into_module(module: torch.nn.Module, path: str, *, strict: bool = True)
 
 
 def model_config_json(model: Any) -> str | None:
-    """A transformers model's ``config.json`` text, or None for a model without a config."""
-    config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    return to_json() if callable(to_json) else None
+    """A transformers model's ``config.json`` text, or None (see :mod:`fastckpt._state.hf_files`)."""
+    from fastckpt._state.hf_files import model_config_json as config_json
+
+    return config_json(model)
