@@ -28,7 +28,7 @@ from fastckpt import _core
 from fastckpt._format.tensor_spec import TensorSpec, deserialize, metadata_pairs, serialize, serialize_file
 from fastckpt._format.tensors import tensor_from_buffer, tensor_sources
 from fastckpt._io.safe_open import safe_open
-from fastckpt._state.model import find_aliases, load_into_module
+from fastckpt._state.model import apply_module_load, find_aliases, plan_module_load
 
 __all__ = [
     "save_file", "load_file", "save", "load", "safe_open", "save_model", "load_model",
@@ -159,6 +159,11 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
                device: Union[str, int] = "cpu", *, backend: str = "mmap") -> Tuple[List[str], List[str]]:
     """Load a file written by :func:`save_model` into ``model``; tied tensors are understood.
 
+    A file that stores separately, with different values, two names the model ties (``b.weight is a.weight``)
+    reports the second as unexpected (safetensors' rule); byte-identical copies are accepted. Names saved from
+    a ``torch.compile``'d model (``_orig_mod.``) match the plain model's, and the reverse. Under ``strict`` the
+    model is left untouched when keys do not match.
+
     Returns:
         ``(missing, unexpected)``: lists of names, as ``safetensors.torch.load_model``.
 
@@ -168,7 +173,8 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
     del device  # tensors land on the device of the parameter they are loaded into
     if backend not in ("mmap", "pread"):
         raise ValueError(f'backend "{backend}" is invalid (expected one of: "mmap", "pread")')
-    missing, unexpected = load_into_module(model, os.fspath(filename), strict=False)
+    plan = plan_module_load(model, [_core.SafetensorsFile(os.fspath(filename))], strict=False)
+    missing, unexpected = plan.missing_keys, plan.unexpected_keys
     if strict and (missing or unexpected):
         error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
         if missing:
@@ -176,4 +182,5 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
         if unexpected:
             error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
         raise RuntimeError(error)
+    apply_module_load(plan)  # only a load that passed its checks changes the model
     return missing, unexpected

@@ -212,7 +212,7 @@ def build_accelerate_plan(
                 "layout": "accelerate"},
     )
     for i, sd in enumerate(states):
-        tensors, _aliases = collect_model_state(sd)
+        tensors, _aliases = collect_model_state(sd, unwrap_compiled=False)  # the names stock accelerate reads
         plan.parts.append(FilePart(model_file(i), tensors, [("format", "pt")]))
     if model_only:
         if models:

@@ -18,6 +18,7 @@ import torch
 
 from fastckpt._format.dtypes import to_safetensors_dtype, torch_shape
 from fastckpt._format.tensors import destination_buffer, tensor_from_buffer
+from fastckpt._state.key_match import canonical_fqn, untied_conflicts
 from fastckpt.errors import DtypeError, KeyMismatchError, ShapeMismatchError
 
 __all__ = [
@@ -82,9 +83,12 @@ def find_aliases(state_dict: Mapping[str, torch.Tensor], *, any_overlap: bool = 
 
 
 def collect_model_state(
-    module: torch.nn.Module | Mapping[str, torch.Tensor],
+    module: torch.nn.Module | Mapping[str, torch.Tensor], *, unwrap_compiled: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors to store for ``module`` (or for a ready state dict) and the dropped tied names.
+
+    ``unwrap_compiled``: store a ``torch.compile``'d model under its plain names (no ``_orig_mod.``); False keeps
+    the names as given (accelerate's own layout, which stock ``Accelerator.load_state`` reads into the wrapper).
 
     Returns:
         ``(tensors, aliases)``: ``tensors`` is the state dict without tied duplicates (values are detached views
@@ -94,6 +98,8 @@ def collect_model_state(
         TypeError: a state_dict entry is not a tensor (e.g. an ``extra_state`` object), naming it.
     """
     state_dict = dict(module) if isinstance(module, Mapping) else module.state_dict()
+    if unwrap_compiled:
+        state_dict = {canonical_fqn(k): v for k, v in state_dict.items()}
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(
@@ -140,20 +146,23 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
         ShapeMismatchError: a stored shape differs from the live tensor's (names file, tensor, both shapes).
         DtypeError: a stored dtype differs from the live tensor's (no silent casts; names both dtypes).
     """
-    sources: dict[str, _Source] = {}
+    sources: dict[str, _Source] = {}  # by canonical name (torch.compile's _orig_mod. dropped)
     aliases: dict[str, str] = {}
     for f in files:
         for name, dtype, shape, begin, end in f.tensors():
-            sources[name] = _Source(f, name, dtype, shape, begin, end)
+            sources[canonical_fqn(name)] = _Source(f, name, dtype, shape, begin, end)
+    stored = {s.name for s in sources.values()}
     for f in files:
-        aliases.update(_file_aliases(f, set(sources)))
+        aliases.update({canonical_fqn(k): canonical_fqn(v) for k, v in _file_aliases(f, stored).items()})
     live = module.state_dict(keep_vars=True)
     live_groups = {n: g for g in find_aliases(live) for n in g}
+    live_canonical = {canonical_fqn(n) for n in live}
 
     plan = ModelLoadPlan(module)
     covered: set[str] = set()
     for name, dst in live.items():
-        src = sources.get(name) or sources.get(aliases.get(name, ""))
+        c = canonical_fqn(name)
+        src = sources.get(c) or sources.get(aliases.get(c, ""))
         if src is None:
             continue
         covered.add(name)
@@ -161,12 +170,20 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
     for name in live:
         if name not in covered and not any(m in covered for m in live_groups.get(name, ())):
             plan.missing_keys.append(name)
-    plan.unexpected_keys = [n for n in list(sources) + list(aliases) if n not in live]
+    plan.unexpected_keys = [s.name for c, s in sources.items() if c not in live_canonical]
+    plan.unexpected_keys += [n for n in aliases if n not in live_canonical]
+    untied = untied_conflicts(plan.assignments, live_groups)  # stored apart, tied live: one would be dropped
+    plan.unexpected_keys += [plan.assignments[i][1].name for i in untied]
+    plan.assignments = [a for i, a in enumerate(plan.assignments) if i not in set(untied)]
     if strict and (plan.missing_keys or plan.unexpected_keys):
         where = ", ".join(sorted({f.path for f in files})) or "<no files>"
+        note = ""
+        if untied:
+            note = (f"; the file stores {sorted(plan.unexpected_keys[-len(untied):])} with values different from "
+                    f"the tensors {type(module).__name__} ties them to, so loading would drop them")
         raise KeyMismatchError(
             f"{where}: state_dict of {type(module).__name__} does not match: "
-            f"missing keys {plan.missing_keys}, unexpected keys {plan.unexpected_keys}"
+            f"missing keys {plan.missing_keys}, unexpected keys {plan.unexpected_keys}{note}"
         )
     for dst, src, name in plan.assignments:
         if not isinstance(dst, torch.Tensor):

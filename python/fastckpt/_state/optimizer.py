@@ -22,6 +22,7 @@ import torch
 
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._state.key_match import canonical_fqn
 from fastckpt.errors import HeaderError, KeyMismatchError
 
 __all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
@@ -32,12 +33,14 @@ FORMAT = "fastckpt.optimizer"
 def param_fqns(models: Sequence[torch.nn.Module]) -> dict[int, str]:
     """``{id(parameter): fqn}`` for every parameter of ``models`` (``model_{i}.`` prefixes with several models).
 
-    A tied parameter gets its first name, the one kept in the model file.
+    A tied parameter gets its first name, the one kept in the model file; a ``torch.compile``'d model's names
+    are its plain ones (no ``_orig_mod.``, see :mod:`fastckpt._state.key_match`).
     """
     fqns: dict[int, str] = {}
     prefix = len(models) > 1
     for i, model in enumerate(models):
         for name, p in model.named_parameters():
+            name = canonical_fqn(name)
             fqns.setdefault(id(p), f"model_{i}.{name}" if prefix else name)
     return fqns
 
