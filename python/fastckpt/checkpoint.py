@@ -117,7 +117,9 @@ def save_state(
 
     Args:
         model: a module or a list of modules (``model.safetensors``, ``model_1.safetensors``, ...).
-        optimizer: an optimizer, a list, or None. Ignored (never touched) when ``model_only``.
+        optimizer: an optimizer, a list, or None. Ignored (never touched) when ``model_only``. State of a parameter
+            that belongs to no passed model (a standalone ``nn.Parameter``) is keyed by its position in
+            ``param_groups`` (``#k``, listed in the manifest's ``positional_params``) and restored by position.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), a list, or None.
             Ignored when ``model_only``.
         output_dir: the checkpoint folder; replaced atomically if it exists (other files in it are kept).
@@ -147,7 +149,6 @@ def save_state(
         ``wait()`` returns it once committed.
 
     Raises:
-        KeyMismatchError: an optimizer holds a parameter of no passed model (names its group and shape).
         DtypeError: a tensor dtype the format cannot store (names the tensor).
         TypeError: scheduler / optimizer state that cannot be stored without pickle (names its path).
         ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``.

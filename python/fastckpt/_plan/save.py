@@ -66,8 +66,10 @@ def build_save_plan(
             optimizer fqns still come from ``models``.
         rng_states: ``rng_payload`` results per rank (``random_states_{rank}``); None: this process as rank 0.
 
+    An optimizer parameter of no passed model is keyed by its position (``#k``) and listed in the manifest's
+    ``positional_params``.
+
     Raises:
-        KeyMismatchError: an optimizer holds a parameter of no passed model.
         TypeError: state that cannot be stored without pickle (names its path).
         ValueError: an unknown ``compat``, a bad ``max_shard_size``, or ``max_shard_size`` with accelerate's
             layout (which is unsharded).
@@ -102,6 +104,9 @@ def build_save_plan(
     fqns = param_fqns(models)
     for j, opt in enumerate(optimizers):
         tensors, metadata = optimizer_payload(opt, fqns, label=part_name("optimizer", j, ""))
+        if "positional_params" in metadata:  # parameters of no passed model: keyed by position, said so here
+            keys = sorted(json.loads(metadata["positional_params"]), key=lambda k: int(k[1:]))
+            plan.counts.setdefault("positional_params", {})[part_name("optimizer", j, "")] = keys
         plan.parts.append(FilePart(part_name("optimizer", j, ".safetensors"), tensors, list(metadata.items())))
     for k, sched in enumerate(schedulers):
         state = encode(sched.state_dict(), path=part_name("scheduler", k, ""))

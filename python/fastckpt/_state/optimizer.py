@@ -23,7 +23,7 @@ import torch
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._state.key_match import canonical_fqn
-from fastckpt.errors import HeaderError, KeyMismatchError
+from fastckpt.errors import HeaderError, KeyMismatchError, ShapeMismatchError
 
 __all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
 
@@ -53,17 +53,64 @@ def optimizer_class_name(optimizer: Any) -> str:
 
 
 def _flat_fqns(optimizer: torch.optim.Optimizer, fqns: dict[int, str], label: str) -> list[str]:
+    """The key of every parameter of ``optimizer``, in ``param_groups`` order: its fqn, or ``#k`` (its position
+    ``k`` in the flattened ``param_groups``) for a parameter of no passed model (a standalone ``nn.Parameter``,
+    a module never prepared), as stock accelerate keys all of them."""
+    del label
     names = []
-    for gi, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         for p in group["params"]:
-            fqn = fqns.get(id(p))
-            if fqn is None:
-                raise KeyMismatchError(
-                    f"{label}: param_groups[{gi}] holds a parameter of shape {list(p.shape)} and dtype {p.dtype} "
-                    f"(position {len(names)}) that belongs to none of the models passed; pass its model too"
-                )
-            names.append(fqn)
+            names.append(fqns.get(id(p)) or f"#{len(names)}")
     return names
+
+
+def positional_params(optimizer: torch.optim.Optimizer, flat: list[str], fqns: dict[int, str]) -> dict[str, list[int]]:
+    """``{"#k": shape}`` of the parameters of no passed model, keyed by position (see :func:`_flat_fqns`)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {fqn: list(p.shape) for fqn, p in zip(flat, params) if id(p) not in fqns}
+
+
+def _check_positional(optimizer: torch.optim.Optimizer, live: list[str], fqns: dict[int, str],
+                      metadata: dict[str, str], path: str, label: str) -> None:
+    """Parameters keyed by position must have the shapes they were saved with (else their state would land on
+    another parameter): ShapeMismatchError naming the position and both shapes."""
+    if "positional_params" not in metadata:
+        return
+    saved = load_json(metadata["positional_params"], f"{path}: metadata 'positional_params'", dict)
+    for fqn, shape in positional_params(optimizer, live, fqns).items():
+        if fqn in saved and saved[fqn] != shape:
+            raise ShapeMismatchError(
+                f"{path}: the parameter at position {fqn[1:]} of the live {label} (in no passed model, so keyed by "
+                f"position) has shape {shape} but the saved one had shape {saved[fqn]}"
+            )
+
+
+def _defer_positional_values(optimizer: torch.optim.Optimizer, live: list[str], entries: dict[str, tuple],
+                             file: Any, defer: list) -> None:
+    """Schedule the saved values of parameters keyed by position (``param.#k``) to be read into the live
+    parameters in phase 2. Raises DtypeError / ShapeMismatchError (phase 1) when a value does not fit."""
+    from fastckpt._format.dtypes import to_safetensors_dtype, torch_shape
+    from fastckpt.errors import DtypeError
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    targets = []
+    for fqn, p in zip(live, params):
+        entry = entries.get(f"param.{fqn}")
+        if not fqn.startswith("#") or entry is None:
+            continue
+        name, dtype_name, shape = entry[0], entry[1], entry[2]
+        if to_safetensors_dtype(p.dtype, name=name) != dtype_name:
+            raise DtypeError(f"{file.path}: {name!r} is stored as {dtype_name} but the live parameter at position "
+                             f"{fqn[1:]} is {p.dtype}; fastckpt never casts silently")
+        if torch_shape(dtype_name, shape, name=name, path=file.path) != list(p.shape):
+            raise ShapeMismatchError(f"{file.path}: {name!r} has shape {shape} but the live parameter at position "
+                                     f"{fqn[1:]} has shape {list(p.shape)}")
+        if not p.is_contiguous():
+            raise ValueError(f"{file.path}: the live parameter at position {fqn[1:]} is not contiguous; its saved "
+                             "value cannot be read into it in place")
+        targets.append((name, p.detach()))
+    if targets:
+        defer.append((file, targets))
 
 
 def optimizer_payload(
@@ -74,8 +121,10 @@ def optimizer_payload(
     Returns:
         ``({tensor_name: tensor}, {metadata_key: str})``; the tensors are the optimizer's own (no copies).
 
+    A parameter of no passed model is keyed ``#k`` by its position in ``param_groups``; metadata
+    ``positional_params`` records those keys with their shapes.
+
     Raises:
-        KeyMismatchError: a parameter belongs to no passed model (names its group, position and shape).
         TypeError: a state value that cannot be stored without pickle (names its path).
     """
     flat = _flat_fqns(optimizer, fqns, label)
@@ -111,6 +160,12 @@ def optimizer_payload(
         "state_names": json.dumps(state_names),
         "extra_state": json.dumps(extra),
     }
+    if positional := positional_params(optimizer, flat, fqns):
+        metadata["positional_params"] = json.dumps(positional)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for fqn, p in zip(flat, params):  # their values too: no model file holds them
+            if fqn in positional:
+                tensors[f"param.{fqn}"] = p.detach()
     return tensors, metadata
 
 
@@ -155,8 +210,8 @@ def read_optimizer_state(
             ``load_state_dict`` (see :mod:`fastckpt._state.live_targets`).
 
     Raises:
-        KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it); or a live
-            parameter belongs to no passed model.
+        KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it).
+        ShapeMismatchError: a parameter keyed by position has another shape than the saved one.
         HeaderError: the file is not a fastckpt optimizer file (missing metadata, names the key).
     """
     path = file.path
@@ -178,6 +233,8 @@ def read_optimizer_state(
     device = torch.device(map_location) if map_location is not None else None
     to_device = []
     for name, dtype_name, shape, _begin, _end in entries.values():
+        if name.startswith("param.#"):
+            continue  # the value of a parameter keyed by position: read into the parameter in phase 2
         if name in reuse:
             fresh[name] = reuse[name]
             continue
@@ -206,6 +263,9 @@ def read_optimizer_state(
             raise HeaderError(f"{path}: metadata refers to tensor {key!r}, which the file does not hold") from None
 
     live = _flat_fqns(optimizer, fqns, label)
+    _check_positional(optimizer, live, fqns, metadata, path, label)
+    if defer is not None:
+        _defer_positional_values(optimizer, live, entries, file, defer)
     saved_class = metadata.get("optimizer")
     live_class = optimizer_class_name(optimizer)
     stand_in = (saved_class or "").startswith("fastckpt.") or live_class.startswith("fastckpt.")  # fastckpt convert
