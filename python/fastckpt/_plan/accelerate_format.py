@@ -174,7 +174,9 @@ def rng_state_from_accelerate(states: Any, path: Path) -> RngState:
             torch_cpu=torch_cpu.to(torch.uint8),
             cuda=[c.to(torch.uint8) for c in cuda],
             path=str(path),
-        )
+        ).check()
+    except HeaderError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise HeaderError(f"{path}: not a valid accelerate random states file ({type(exc).__name__}: {exc})") from None
 

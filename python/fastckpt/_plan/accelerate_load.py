@@ -29,6 +29,7 @@ from fastckpt._io.shards import has_state_file, open_state_files
 from fastckpt._plan.accelerate_format import model_file, rng_file, rng_state_from_accelerate, torch_load
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import plan_module_load
+from fastckpt._state.state_check import check_state_like
 from fastckpt.errors import HeaderError, KeyMismatchError, MissingStateError, ShapeMismatchError
 
 __all__ = ["TensorDictFile", "open_model_files", "positional_optimizer_state", "plan_accelerate_load"]
@@ -206,6 +207,7 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
         state = torch_load(path, trust_pickle=trust_pickle, what=f"scheduler {k}")
         if not isinstance(state, dict):
             raise HeaderError(f"{path}: holds a {type(state).__name__}, not a scheduler state_dict")
+        check_state_like(state, sched.state_dict(), path=path, what=f"scheduler {k}")
         load.schedulers.append((sched, state))
     if not model_only and saved_state and rank is not None:
         path = folder / rng_file(rank)

@@ -27,6 +27,7 @@ from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import plan_module_load
 from fastckpt._state.optimizer import param_fqns, read_optimizer_state
 from fastckpt._state.rng import read_rng_state
+from fastckpt._state.state_check import check_state_like
 from fastckpt.errors import MissingStateError
 
 __all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]
@@ -122,9 +123,11 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         path = folder / part_name("scheduler", k, ".json")
         try:
             where = f"{path}: not a valid fastckpt scheduler state"
-            load.schedulers.append((sched, decode_json(load_json(path.read_bytes(), where), where)))
+            state = decode_json(load_json(path.read_bytes(), where), where)
         except FileNotFoundError:
             raise MissingStateError(f"{folder}: scheduler {k} needs {path.name}, which is absent") from None
+        check_state_like(state, sched.state_dict(), path=path, what=f"scheduler {k}")
+        load.schedulers.append((sched, state))
     if not model_only and manifest.get("mode") == "full" and rank is not None:
         load.rng = read_rng_state(_open_part(folder, random_states_name(rank), "the RNG restore"))
     return load

@@ -64,6 +64,37 @@ class RngState:
     cuda: list[torch.Tensor]
     path: str
 
+    def check(self) -> RngState:
+        """Set every stream on a scratch generator (changing no global one), so a state that Python, numpy or
+        torch would refuse (``Invalid mt19937 state``) is refused here, in phase 1 of a load.
+
+        Raises:
+            HeaderError: a stream that does not load (names the file and the stream).
+        """
+        stream = "python"
+        try:
+            random.Random().setstate(self.python)
+            stream = "numpy"
+            kind, _keys, pos, has_gauss, _cached = self.numpy
+            if kind != "MT19937" or not 0 <= int(pos) <= 624 or int(has_gauss) not in (0, 1):
+                raise ValueError(f"kind {kind!r}, pos {pos} (0..624), has_gauss {has_gauss} (0 or 1)")
+            np.random.RandomState().set_state(self.numpy)
+            stream = "torch"
+            torch.Generator().set_state(self.torch_cpu)
+            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            for i, state in enumerate(self.cuda[:available]):
+                stream = f"cuda.{i}"
+                torch.Generator(device=f"cuda:{i}").set_state(state)
+            if not isinstance(self.step, int) or isinstance(self.step, bool):
+                stream = "step"
+                raise TypeError(f"step is a {type(self.step).__name__}")
+        except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
+            raise HeaderError(
+                f"{self.path}: the saved {stream} RNG state is invalid ({type(exc).__name__}: {exc}); "
+                "nothing was changed"
+            ) from None
+        return self
+
     def restore(self) -> None:
         """Set Python, numpy, torch CPU and CUDA generators; warns for CUDA devices this machine lacks."""
         random.setstate(self.python)
@@ -87,7 +118,7 @@ def read_rng_state(file: Any) -> RngState:
     """Read and validate a random states file (an opened ``_core.SafetensorsFile``); changes no generator.
 
     Raises:
-        HeaderError: missing entries or wrong shapes (names the file and the entry).
+        HeaderError: missing entries, wrong shapes, or a stream its generator refuses (names the file and the entry).
     """
     path = file.path
     metadata = file.metadata() or {}
@@ -113,4 +144,4 @@ def read_rng_state(file: Any) -> RngState:
         raise HeaderError(
             f"{path}: python state has {len(state.python[1])} words (expected 625), numpy {keys.numel()} (expected 624)"
         )
-    return state
+    return state.check()

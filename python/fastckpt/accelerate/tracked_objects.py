@@ -36,6 +36,7 @@ from fastckpt._plan.accelerate_format import (
 )
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.objects import object_state_payload, read_object_state
+from fastckpt._state.state_check import check_state_like
 from fastckpt.errors import HeaderError, KeyMismatchError, MissingStateError
 
 __all__ = ["add_tracked_objects", "plan_tracked_objects"]
@@ -131,6 +132,11 @@ def _read_state(folder: Path, name: str, what: str) -> Any:
     return read_object_state(_core.SafetensorsFile(str(path)))
 
 
+def _check_dl_state(state: Any, path: Path) -> None:
+    if not isinstance(state, dict):
+        raise HeaderError(f"{path}: holds a {type(state).__name__}, not a dataloader state_dict; nothing was changed")
+
+
 def _check_custom_count(folder: Path, saved: int, registered: int) -> None:
     if registered > saved:
         raise MissingStateError(
@@ -160,12 +166,16 @@ def plan_tracked_objects(load: LoadPlan, folder: Path, accelerator: Any, *, layo
     _check_custom_count(folder, sum(bool((_CUSTOM_PKL_RE if accel else _CUSTOM_ST_RE).match(n)) for n in names),
                         len(objects))
     for i, obj in enumerate(objects):
-        state = (torch_load(folder / custom_file(i), trust_pickle=trust_pickle, what=f"custom object {i}")
-                 if accel else _read_state(folder, f"custom_checkpoint_{i}.safetensors", f"custom object {i}"))
+        name = custom_file(i) if accel else f"custom_checkpoint_{i}.safetensors"
+        state = (torch_load(folder / name, trust_pickle=trust_pickle, what=f"custom object {i}")
+                 if accel else _read_state(folder, name, f"custom object {i}"))
+        check_state_like(state, obj.state_dict(), path=folder / name, what=f"custom object {i}")
         load.objects.append((obj, state))
     if accelerator.scaler is not None:
-        state = (torch_load(folder / SCALER_NAME, trust_pickle=trust_pickle, what="the GradScaler")
-                 if accel else _read_state(folder, "scaler.safetensors", "the GradScaler"))
+        name = SCALER_NAME if accel else "scaler.safetensors"
+        state = (torch_load(folder / name, trust_pickle=trust_pickle, what="the GradScaler")
+                 if accel else _read_state(folder, name, "the GradScaler"))
+        check_state_like(state, accelerator.scaler.state_dict(), path=folder / name, what="GradScaler")
         load.objects.append((accelerator.scaler, state))
     for i, dl in enumerate(accelerator._dataloaders):
         sampler = _seedable_sampler(dl)
@@ -173,10 +183,13 @@ def plan_tracked_objects(load: LoadPlan, folder: Path, accelerator: Any, *, layo
         if accel:
             if sampler is not None and _iterable_shard(dl):
                 swap = torch_load(folder / sampler_file(i), trust_pickle=trust_pickle, what=f"dataloader {i}")
+                if not callable(getattr(swap, "__iter__", None)):
+                    raise HeaderError(f"{folder / sampler_file(i)}: holds a {type(swap).__name__}, not a sampler")
                 load.objects.append((_SamplerSwap(dl), swap))
             if stateful and (folder / dl_state_file(i)).is_file():
-                load.objects.append((dl, torch_load(folder / dl_state_file(i), trust_pickle=trust_pickle,
-                                                    what=f"dataloader {i}")))
+                state = torch_load(folder / dl_state_file(i), trust_pickle=trust_pickle, what=f"dataloader {i}")
+                _check_dl_state(state, folder / dl_state_file(i))
+                load.objects.append((dl, state))
             continue
         path = folder / part_name("sampler", i, ".json")
         if sampler is not None and path.is_file():
@@ -189,4 +202,6 @@ def plan_tracked_objects(load: LoadPlan, folder: Path, accelerator: Any, *, layo
             load.objects.append((_SamplerPosition(sampler, dl), state))
         dl_name = part_name("dl_state_dict", i, ".safetensors")
         if stateful and (folder / dl_name).is_file():
-            load.objects.append((dl, _read_state(folder, dl_name, f"dataloader {i}")))
+            state = _read_state(folder, dl_name, f"dataloader {i}")
+            _check_dl_state(state, folder / dl_name)
+            load.objects.append((dl, state))
