@@ -63,10 +63,10 @@ impl SafetensorsFile {
         file.read_exact_at(&mut json, 8)
             .at(path, "reading the header of")?;
         let header = header::parse(&json, file_size, &label)?;
-        // SAFETY: a private (copy-on-write) mapping: writes through it never reach the file. The file can
-        // still be changed by others under the mapping (as with any mmap); fastckpt writes files through a
-        // temp file + rename, so its own files are never modified in place.
         let map = if mapped {
+            // SAFETY: a private (copy-on-write) mapping: writes through it never reach the file. The file can
+            // still be changed by others under the mapping (as with any mmap); fastckpt writes files through a
+            // temp file + rename, so its own files are never modified in place.
             let mut map = unsafe { MmapOptions::new().map_copy(&file) }.at(path, "mapping")?;
             let map_ptr = MapPtr(NonNull::new(map.as_mut_ptr()).expect("a mapping is never null"));
             Some((map, map_ptr))

@@ -70,6 +70,25 @@ fn open_maps_and_reads_into() {
 }
 
 #[test]
+fn unmapped_open_validates_and_reads_by_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, a, b) = written(dir.path());
+    let f = SafetensorsFile::open_with(&path, false).unwrap();
+    assert!(!f.is_mapped());
+    assert_eq!(f.mapping().1, 0);
+    assert_eq!(f.tensors().len(), 2);
+    let (mut oa, mut ob) = (vec![0u8; a.len()], vec![0u8; 6]);
+    f.read_into(
+        vec![("a".into(), &mut oa[..]), ("b".into(), &mut ob[..])],
+        2,
+        4096,
+    )
+    .unwrap();
+    assert_eq!((oa, ob), (a, b));
+    assert!(SafetensorsFile::open(&path).unwrap().is_mapped());
+}
+
+#[test]
 fn mapping_is_private() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _, _) = written(dir.path());
