@@ -24,6 +24,8 @@ HIERARCHY = {
     "KeyMismatchError": (fastckpt.errors.CheckpointError, KeyError, LookupError),
     "IntegrityError": (fastckpt.errors.CheckpointError, ValueError),
     "DtypeError": (fastckpt.errors.CheckpointError, TypeError),
+    "ClosedFileError": (fastckpt.errors.CheckpointError, ValueError),
+    "MetaTensorError": (fastckpt.errors.CheckpointError, NotImplementedError),
 }
 
 
