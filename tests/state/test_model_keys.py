@@ -175,3 +175,27 @@ def test_accelerate_compiled_model_round_trip(tmp_path, new_accelerator):
     fresh, fresh_opt = acc2.prepare(fresh, fresh_opt)  # the plain model this time
     assert fastckpt.accelerate.load_state(acc2, folder) == ([], [])
     assert_model_state(acc2.unwrap_model(fresh), model_clone(model))
+
+
+def test_accelerate_layouts_of_a_compiled_model(tmp_path, new_accelerator):
+    import fastckpt.accelerate
+
+    acc = new_accelerator()
+    model, opt = _trained(9)
+    compiled, opt = acc.prepare(_compile(model), opt)
+    acc.save_state(str(tmp_path / "stock"))  # stock accelerate, from the compiled model
+    ours = fastckpt.accelerate.save_state(acc, tmp_path / "compat", compat="accelerate")
+    with official.safe_open(ours / "model.safetensors", "pt") as f, \
+            official.safe_open(tmp_path / "stock" / "model.safetensors", "pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys())  # the names stock accelerate reads back into its wrapper
+    for folder in (tmp_path / "stock", ours):
+        acc2 = new_accelerator()
+        fresh, fresh_opt = _trained(10)
+        fresh, fresh_opt = acc2.prepare(fresh, fresh_opt)  # a plain model
+        assert fastckpt.accelerate.load_state(acc2, folder) == ([], [])
+        assert_model_state(acc2.unwrap_model(fresh), model_clone(model))
+    acc3 = new_accelerator()
+    again, again_opt = _trained(11)
+    wrapped, again_opt = acc3.prepare(_compile(again), again_opt)
+    acc3.load_state(str(ours))  # stock accelerate reads our compat folder into its compiled model
+    assert_model_state(again, model_clone(model))
