@@ -199,3 +199,22 @@ def test_accelerate_layouts_of_a_compiled_model(tmp_path, new_accelerator):
     wrapped, again_opt = acc3.prepare(_compile(again), again_opt)
     acc3.load_state(str(ours))  # stock accelerate reads our compat folder into its compiled model
     assert_model_state(again, model_clone(model))
+
+
+def test_checkpoint_with_orig_mod_names_everywhere_loads_into_plain_model(tmp_path, monkeypatch):
+    """A checkpoint written by a fastckpt without unwrapping: ``_orig_mod.`` in model and optimizer names."""
+    import fastckpt._state.model as model_mod
+    import fastckpt._state.optimizer as optimizer_mod
+
+    model, opt = _trained(12)
+    with monkeypatch.context() as m:
+        m.setattr(model_mod, "canonical_fqn", lambda name: name)
+        m.setattr(optimizer_mod, "canonical_fqn", lambda name: name)
+        folder = fastckpt.save_state(_compile(model), opt, output_dir=tmp_path / "old")
+    with official.safe_open(folder / "optimizer.safetensors", "pt") as f:
+        assert all(k.startswith("state._orig_mod.") for k in f.keys())
+    fresh, fresh_opt = _trained(13)
+    assert fastckpt.load_state(fresh, fresh_opt, input_dir=folder) == ([], [])
+    assert_model_state(fresh, model_clone(model))
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(fresh_opt.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"])

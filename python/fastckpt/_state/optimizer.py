@@ -85,6 +85,16 @@ def _check_positional(optimizer: torch.optim.Optimizer, live: list[str], fqns: d
             )
 
 
+def _canonical_saved(groups: list, state_names: dict, extra: dict) -> tuple[list, dict, dict, dict[str, str]]:
+    """The saved fqns in canonical form (a file written from a ``torch.compile``'d model may carry
+    ``_orig_mod.``), and ``{canonical: stored}`` for the names the file's tensors use."""
+    stored = {canonical_fqn(f): f for g in groups for f in g["params"]}
+    stored.update({canonical_fqn(f): f for f in state_names})
+    groups = [{**g, "params": [canonical_fqn(f) for f in g["params"]]} for g in groups]
+    return (groups, {canonical_fqn(k): v for k, v in state_names.items()},
+            {canonical_fqn(k): v for k, v in extra.items()}, stored)
+
+
 def _defer_positional_values(optimizer: torch.optim.Optimizer, live: list[str], entries: dict[str, tuple],
                              file: Any, defer: list) -> None:
     """Schedule the saved values of parameters keyed by position (``param.#k``) to be read into the live
@@ -219,6 +229,7 @@ def read_optimizer_state(
     saved_groups = _load_json(metadata, "param_groups", path)
     state_names = _load_json(metadata, "state_names", path)
     extra = _load_json(metadata, "extra_state", path)
+    saved_groups, state_names, extra, stored_fqn = _canonical_saved(saved_groups, state_names, extra)
     entries = {e[0]: e for e in file.tensors()}
 
     fresh: dict[str, torch.Tensor] = {}
@@ -307,7 +318,7 @@ def read_optimizer_state(
             continue
         values: dict[str, Any] = {}
         for name in state_names.get(fqn, []):
-            t = resolve(f"state.{fqn}.{name}")
+            t = resolve(f"state.{stored_fqn.get(fqn, fqn)}.{name}")
             if map_location is not None and name != "step":
                 t = t.to(map_location)
             values[name] = t
