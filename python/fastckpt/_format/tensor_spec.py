@@ -114,7 +114,8 @@ def serialize_file(tensor_dict: Dict[str, TensorSpec], filename: str | os.PathLi
 
 
 def deserialize(data: bytes) -> List[Tuple[str, Dict[str, Any]]]:
-    """``[(name, {"data": bytearray, "shape": [..], "dtype": "F32"})]`` sorted by name (as safetensors').
+    """``[(name, {"data": bytearray, "shape": [..], "dtype": "F32"})]`` in file order (safetensors' own order is
+    that of a hash map: it differs between processes).
 
     Raises:
         fastckpt.HeaderError, fastckpt.TruncatedFileError, fastckpt.DtypeError: malformed bytes.
@@ -122,4 +123,4 @@ def deserialize(data: bytes) -> List[Tuple[str, Dict[str, Any]]]:
     raw = bytes(data)
     _metadata, entries, start = _core.parse_header(raw)
     return [(name, {"data": bytearray(raw[start + begin:start + end]), "shape": list(shape), "dtype": dtype})
-            for name, dtype, shape, begin, end in sorted(entries)]
+            for name, dtype, shape, begin, end in entries]
