@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +20,9 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_accelerate_worker
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not installed")
     out = tmp_path_factory.mktemp("mp")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)
                if (out / f"rank{r}.json").is_file()]
