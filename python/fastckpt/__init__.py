@@ -15,6 +15,7 @@ from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
     CheckpointError,
     DtypeError,
+    FrozenWeightsError,
     HeaderError,
     IntegrityError,
     KeyMismatchError,
@@ -52,6 +53,7 @@ __all__ = [
     "IntegrityError",
     "ShapeMismatchError",
     "DtypeError",
+    "FrozenWeightsError",
     "UnsafePickleError",
     "__version__",
 ]

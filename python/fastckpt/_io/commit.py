@@ -159,7 +159,7 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
     staging = owner.path
     try:
         staging.mkdir()
-        jobs = [(str(staging / p.name), tensor_sources(p.tensors), p.metadata) for p in plan.parts]
+        jobs = [(str(staging / p.name), tensor_sources(p.tensors, p.dtype), p.metadata) for p in plan.parts]
         digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=ready)
         files = {p.name: digest[0] for p, digest in zip(plan.parts, digests)}
         checksums = {p.name: digest_entry(digest) for p, digest in zip(plan.parts, digests)}

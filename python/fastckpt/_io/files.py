@@ -15,11 +15,13 @@ __all__ = ["FilePart", "SavePlan"]
 
 @dataclass
 class FilePart:
-    """One safetensors file of a checkpoint: ``name`` in the folder, ``{tensor_name: tensor}``, metadata."""
+    """One safetensors file of a checkpoint: ``name`` in the folder, ``{tensor_name: tensor}``, metadata; ``dtype``
+    (a safetensors name such as ``"BF16"``) stores its floating tensors in that dtype, converted while written."""
 
     name: str
     tensors: dict[str, torch.Tensor]
     metadata: list[tuple[str, str]] | None
+    dtype: str | None = None
 
 
 @dataclass

@@ -120,7 +120,7 @@ def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step
 
 def is_model_file(name: str) -> bool:
     """Whether a checkpoint file holds model weights (``model*.safetensors``, its shard index, ``config.json``)."""
-    return name.startswith("model") or name == "config.json"
+    return name.startswith(("model", "adapter_")) or name == "config.json"
 
 
 def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False) -> dict[str, Any]:
@@ -166,6 +166,11 @@ def _is_hex8(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
 
 
+def is_hash_hex(value: Any) -> bool:
+    """Whether ``value`` is a content hash as the manifest stores it: 32 lowercase hex digits (xxh3-128)."""
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
 def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
     """The manifest's fields have the types fastckpt writes; file names stay inside the folder (HeaderError)."""
     def bad(msg: str) -> HeaderError:
@@ -193,6 +198,9 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
         tensors = info.get("tensors", {})
         if not isinstance(tensors, dict) or not all(_is_hex8(v) for v in tensors.values()):
             raise bad(f"files[{name!r}]['tensors'] must map tensor names to 8 hex digits")
+        hashes = info.get("xxh3", {})
+        if not isinstance(hashes, dict) or not all(is_hash_hex(v) for v in hashes.values()):
+            raise bad(f"files[{name!r}]['xxh3'] must map tensor names to 32 hex digits")
 
 
 def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:

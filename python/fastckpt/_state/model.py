@@ -12,7 +12,7 @@ plan is valid, so a failed load leaves the module untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Collection, Mapping, NamedTuple
 
 import torch
 
@@ -132,8 +132,12 @@ def _file_aliases(file: object, names: set[str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k != "format" and v in names and k not in names}
 
 
-def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True) -> ModelLoadPlan:
+def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True,
+                     rename: Mapping[str, str] | None = None, exempt: Collection[str] = ()) -> ModelLoadPlan:
     """Check ``files`` (opened ``_core.SafetensorsFile`` objects, e.g. shards) against ``module``; change nothing.
+
+    ``rename``: ``{name in the files: state_dict name}`` for files keyed otherwise (PEFT's adapter keys).
+    ``exempt``: state_dict names that are not missing when the files lack them (frozen weights already checked).
 
     Raises:
         KeyMismatchError: ``strict`` and names are missing or unexpected (both lists in the message).
@@ -144,7 +148,7 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
     aliases: dict[str, str] = {}
     for f in files:
         for name, dtype, shape, begin, end in f.tensors():
-            sources[name] = _Source(f, name, dtype, shape, begin, end)
+            sources[rename.get(name, name) if rename else name] = _Source(f, name, dtype, shape, begin, end)
     for f in files:
         aliases.update(_file_aliases(f, set(sources)))
     live = module.state_dict(keep_vars=True)
@@ -159,7 +163,7 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
         covered.add(name)
         plan.assignments.append((dst, src, name))
     for name in live:
-        if name not in covered and not any(m in covered for m in live_groups.get(name, ())):
+        if name not in covered and name not in exempt and not any(m in covered for m in live_groups.get(name, ())):
             plan.missing_keys.append(name)
     plan.unexpected_keys = [n for n in list(sources) + list(aliases) if n not in live]
     if strict and (plan.missing_keys or plan.unexpected_keys):
