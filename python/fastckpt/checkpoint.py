@@ -187,19 +187,35 @@ def save_state(
     models = _as_list(model, "model")
     if output_dir is not None:
         output_dir = check_target(output_dir)
+    if share_unchanged and compat is not None:
+        raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                           model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat,
+                           model_only=model_only, step=step,
+                           max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
                            trainable_only=trainable_only, trainable_buffers=tuple(trainable_buffers), dtype=dtype,
                            threads=threads)
     auto = output_dir is None
     root = Path(project_dir if project_dir is not None else os.getcwd())
     target = next_checkpoint_dir(root) if auto else Path(output_dir)
+    after_commit = None
+    if share_unchanged:
+        from fastckpt._plan.share import plan_sharing, previous_checkpoint
+
+        after_commit = plan_sharing(plan, models, previous_checkpoint(root, target), max_shard_size=max_shard_size,
+                                    threads=threads)
     if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
         write = functools.partial(write_checkpoint, durable=durable, threads=threads)
         rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
         handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
-        return handle if async_save else handle.wait()
+        if async_save:
+            return handle
+        committed = handle.wait()
+        if after_commit is not None:
+            after_commit(committed)
+        return committed
     write_checkpoint(plan, target, durable=durable, threads=threads)
+    if after_commit is not None:
+        after_commit(target)
     if auto and total_limit is not None:
         rotate_checkpoints(root, total_limit)
     return target.absolute()

@@ -33,6 +33,7 @@ class SavePlan:
     counts: dict[str, Any]  # part counts, plus manifest facts such as "layout": "accelerate"
     parts: list[FilePart] = field(default_factory=list)
     texts: dict[str, str | bytes] = field(default_factory=dict)  # small files: JSON text, or bytes (compat pickles)
+    links: dict[str, Any] = field(default_factory=dict)  # files hard-linked from the previous checkpoint (sharing)
 
     @property
     def nbytes(self) -> int:
