@@ -27,8 +27,8 @@ from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import plan_module_load
 from fastckpt._state.optimizer import param_fqns, read_optimizer_state
 from fastckpt._state.peft_adapter import ADAPTER_FILE, is_peft_model, key_map
-from fastckpt._state.trainable import check_frozen
 from fastckpt._state.rng import read_rng_state
+from fastckpt._state.trainable import check_frozen
 from fastckpt.errors import MissingStateError
 
 __all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]

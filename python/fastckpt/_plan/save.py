@@ -17,10 +17,10 @@ from fastckpt._format.codec import encode
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.layout import part_name, random_states_name
 from fastckpt._state.model import collect_model_state, model_config_json
-from fastckpt._state.trainable import split_state
 from fastckpt._state.optimizer import optimizer_payload, param_fqns
 from fastckpt._state.peft_adapter import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config_json, adapter_state, is_peft_model
 from fastckpt._state.rng import rng_payload
+from fastckpt._state.trainable import split_state
 
 __all__ = ["FilePart", "SavePlan", "build_save_plan"]
 

@@ -20,8 +20,8 @@ import torch
 
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.layout import MANIFEST, checkpoint_numbers, is_committed
-from fastckpt._io.sharing import share_with
 from fastckpt._io.shards import index_name, parse_size, shard_name, split_part
+from fastckpt._io.sharing import share_with
 from fastckpt._io.tensor_hashes import content_hashes, remember
 from fastckpt._state.trainable import trainable_names
 

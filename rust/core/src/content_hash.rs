@@ -153,13 +153,18 @@ pub fn hash_files(paths: &[PathBuf], threads: usize) -> Result<Vec<FileHashes>> 
         if buf.len() < len {
             buf.resize(len, 0);
         }
-        o.file
-            .read_exact_at(&mut buf[..len], at + start)
-            .at(&o.path, &format!("reading {len} bytes at offset {}", at + start))?;
-        results[k].set(block_hash(&buf[..len])).expect("each block once");
+        o.file.read_exact_at(&mut buf[..len], at + start).at(
+            &o.path,
+            &format!("reading {len} bytes at offset {}", at + start),
+        )?;
+        results[k]
+            .set(block_hash(&buf[..len]))
+            .expect("each block once");
         Ok(())
     })?;
-    let mut it = results.into_iter().map(|r| r.into_inner().unwrap_or_default());
+    let mut it = results
+        .into_iter()
+        .map(|r| r.into_inner().unwrap_or_default());
     Ok(opened
         .into_iter()
         .zip(headers)

@@ -105,7 +105,8 @@ fn load(from: Dtype, src: &[u8], i: usize) -> u32 {
         Dtype::F16 => f16_to_f32(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])),
         Dtype::BF16 => bf16_to_f32(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])),
         Dtype::F32 => u32::from_le_bytes(src[4 * i..4 * i + 4].try_into().expect("4 bytes")),
-        _ => (f64::from_le_bytes(src[8 * i..8 * i + 8].try_into().expect("8 bytes")) as f32).to_bits(),
+        _ => (f64::from_le_bytes(src[8 * i..8 * i + 8].try_into().expect("8 bytes")) as f32)
+            .to_bits(),
     }
 }
 
@@ -140,7 +141,11 @@ fn convert_via_f32(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
 /// Panics when the lengths disagree (callers size both from the element count).
 pub fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
     let (s, d) = ((from.bits() / 8) as usize, (to.bits() / 8) as usize);
-    assert_eq!(src.len() / s, dst.len() / d, "convert: element counts differ");
+    assert_eq!(
+        src.len() / s,
+        dst.len() / d,
+        "convert: element counts differ"
+    );
     assert!(
         src.len() % s == 0 && dst.len() % d == 0,
         "convert: partial elements"

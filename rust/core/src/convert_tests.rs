@@ -17,7 +17,7 @@ fn every_f16_and_bf16_value_round_trips_through_f32() {
             assert_eq!(back & 0x8000, h & 0x8000, "{h:#06x} keeps its sign");
         } else {
             assert_eq!(back, h, "f16 {h:#06x}");
-            assert_eq!(f32::from_bits(f16_to_f32(h)).is_nan(), false);
+            assert!(!f32::from_bits(f16_to_f32(h)).is_nan());
         }
         let bnan = (h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0;
         let bback = f32_to_bf16(bf16_to_f32(h));
@@ -45,7 +45,12 @@ fn ties_round_to_even_and_overflow_goes_to_infinity() {
     assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24).to_bits());
 }
 
-fn f32_source<'a>(data: &'a [u8], shape: &[u64], strides: Option<Vec<u64>>, to: Dtype) -> TensorSource<'a> {
+fn f32_source<'a>(
+    data: &'a [u8],
+    shape: &[u64],
+    strides: Option<Vec<u64>>,
+    to: Dtype,
+) -> TensorSource<'a> {
     TensorSource {
         name: "w".into(),
         dtype: Dtype::F32,
@@ -75,9 +80,19 @@ fn converted_writes_match_a_whole_conversion_for_any_chunking() {
                 chunk_bytes: chunk,
                 ..WriteOptions::default()
             };
-            let stats = write_file(&path, vec![f32_source(&values, &[3001], None, to)], None, &opts).unwrap();
+            let stats = write_file(
+                &path,
+                vec![f32_source(&values, &[3001], None, to)],
+                None,
+                &opts,
+            )
+            .unwrap();
             let bytes = std::fs::read(&path).unwrap();
-            assert_eq!(&bytes[bytes.len() - want.len()..], &want[..], "{to} chunk {chunk}");
+            assert_eq!(
+                &bytes[bytes.len() - want.len()..],
+                &want[..],
+                "{to} chunk {chunk}"
+            );
             let on_disk = hash_files(std::slice::from_ref(&path), 2).unwrap();
             let on_disk = on_disk[0].as_ref().unwrap()[0].1;
             assert_eq!(stats.checksums[0].tensor_hashes, vec![hash_bytes(&want)]);
@@ -91,7 +106,9 @@ fn converted_writes_match_a_whole_conversion_for_any_chunking() {
 #[test]
 fn strided_sources_convert_in_logical_order() {
     // a (3, 5) f32 matrix stored transposed: element (i, j) at (j * 3 + i) * 4
-    let data: Vec<u8> = (0..15u32).flat_map(|k| (k as f32 + 0.5).to_le_bytes()).collect();
+    let data: Vec<u8> = (0..15u32)
+        .flat_map(|k| (k as f32 + 0.5).to_le_bytes())
+        .collect();
     let src = f32_source(&data, &[3, 5], Some(vec![4, 12]), Dtype::BF16);
     let checked = src.check().unwrap();
     let mut out = vec![0u8; 30];

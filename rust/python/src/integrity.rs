@@ -60,7 +60,11 @@ pub fn hash_files(
         .into_iter()
         .map(|f| match f {
             Ok(t) => (
-                Some(t.into_iter().map(|(n, h)| (n, format!("{h:032x}"))).collect()),
+                Some(
+                    t.into_iter()
+                        .map(|(n, h)| (n, format!("{h:032x}")))
+                        .collect(),
+                ),
                 None,
             ),
             Err(e) => (None, Some(e.to_string())),
