@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
     written: dict[str, list[int]] = {k: [] for k in contenders}
-    for name, save in contenders.items():  # first checkpoint of each (not counted)
+    for save in contenders.values():  # first checkpoint of each (not counted)
         save()
     order = list(contenders)
     for r in range(args.rounds):
