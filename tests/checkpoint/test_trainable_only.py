@@ -118,3 +118,13 @@ def test_model_only_trainable_only_round_trip(tmp_path):
     assert fastckpt.load_state(target, input_dir=path, model_only=True) == ([], [])
     assert_tensor_dicts_identical(target.state_dict(), model.state_dict())
     assert fastckpt.verify_checkpoint(path).hashes_checked == 2
+
+
+def test_a_malformed_frozen_record_is_a_header_error(tmp_path):
+    _model, _opt, path = _saved(tmp_path)
+    manifest = json.loads((path / "fastckpt.json").read_text())
+    for bad in ([1, 2], {"model": {"base.0.weight": {"dtype": "F32", "shape": [16, -1], "xxh3": "0" * 32}}},
+                {"model": {"base.0.weight": {"dtype": "F32", "shape": [16, 16], "xxh3": "zz"}}}):
+        (path / "fastckpt.json").write_text(json.dumps({**manifest, "frozen": bad}))
+        with pytest.raises(fastckpt.HeaderError, match="frozen"):
+            fastckpt.load_state(make_frozen_base(0), input_dir=path, model_only=True)

@@ -59,3 +59,15 @@ def test_verify_checks_the_content_hash(tmp_path, capsys):
     report = fastckpt.check_checkpoint(path)
     assert [p for p in report.problems if "'head.bias': xxh3-128" in p]
     assert cli(["verify", str(path)]) == 1
+    manifest["files"]["model.safetensors"]["xxh3"]["head.bias"] = _hash_of(path, "head.bias")
+    (path / "fastckpt.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert cli(["verify", str(path)]) == 0
+    assert f"({len(model.state_dict())} with xxh3-128 content hashes)" in capsys.readouterr().out
+
+
+def _hash_of(folder, tensor):
+    from fastckpt import _core
+
+    (tensors, _error), = _core.hash_files([str(folder / "model.safetensors")])
+    return dict(tensors)[tensor]
