@@ -16,15 +16,19 @@ from typing import TypeAlias, final
 from typing_extensions import Buffer
 
 __all__ = [
-    "SafetensorsFile", "checksum_files", "commit_dir", "crc32c", "parse_header", "serialize", "write_file",
-    "write_files", "write_files_checked",
+    "SafetensorsFile", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors", "parse_header",
+    "serialize", "write_file", "write_files", "write_files_checked",
 ]
 
 #: ``(name, dtype, shape, buffer, byte_offset, byte_strides)``: a tensor of safetensors dtype ``dtype``
 #: (``"F32"``, ``"BF16"``, ``"F4"``, ...) and logical ``shape`` whose first element is at ``byte_offset`` bytes
 #: in ``buffer`` (any C-contiguous buffer, e.g. a uint8 numpy view of the tensor's whole storage).
 #: ``byte_strides`` (bytes, >= 0) or ``None`` for C-contiguous; sub-byte dtypes (F4, F6_*) must be contiguous.
-_TensorSource: TypeAlias = tuple[str, str, Sequence[int], Buffer, int, Sequence[int] | None]
+#: An optional seventh entry names the dtype to store instead (``"BF16"``, ``"F16"``, ``"F32"``, ``"F64"``),
+#: converted while written (F16/BF16/F32/F64 sources only, round to nearest even as torch's ``.to()``); ``None``
+#: stores ``dtype`` as is.
+_TensorSource: TypeAlias = (tuple[str, str, Sequence[int], Buffer, int, Sequence[int] | None]
+                            | tuple[str, str, Sequence[int], Buffer, int, Sequence[int] | None, str | None])
 #: ``(name, dtype, shape, begin, end)``; begin/end are byte offsets relative to the data section.
 _TensorEntry: TypeAlias = tuple[str, str, list[int], int, int]
 #: ``__metadata__`` as ordered pairs; ``None`` writes no ``__metadata__`` key, ``[]`` writes ``{}``.
@@ -76,9 +80,11 @@ def write_files(
     Raises as :func:`write_file`.
     """
 
-#: ``(file_size, file_crc32c, [(tensor, crc32c)])``: a written file's size in bytes, the crc32c (Castagnoli) of
-#: all its bytes, and of each tensor's data bytes, tensors in file (offset) order; an empty tensor's crc32c is 0.
-_FileDigest: TypeAlias = tuple[int, int, list[tuple[str, int]]]
+#: ``(file_size, file_crc32c, [(tensor, crc32c)], [(tensor, hash)])``: a written file's size in bytes, the crc32c
+#: (Castagnoli) of all its bytes, and of each tensor's data bytes, tensors in file (offset) order (an empty
+#: tensor's crc32c is 0); and each tensor's content hash (xxh3-128 over 256 KiB blocks, 32 hex digits, see
+#: :func:`hash_tensors`), in the same order.
+_FileDigest: TypeAlias = tuple[int, int, list[tuple[str, int]], list[tuple[str, str]]]
 
 def write_files_checked(
     jobs: Iterable[tuple[_StrPath, Iterable[_TensorSource], _Metadata]],
@@ -109,6 +115,27 @@ def checksum_files(
         OSError: a file cannot be opened or read (IsADirectoryError for a folder).
         HeaderError: a FIFO, socket or device (never opened for blocking reads).
         TruncatedFileError: a file shrank while it was read.
+    """
+
+def hash_tensors(tensors: Iterable[_TensorSource], *, threads: int = 0) -> list[str]:
+    """The content hash of each tensor source as it would be written (converted when its seventh entry says so):
+    xxh3-128 of the xxh3-128 of each 256 KiB block of its bytes followed by its byte count (32 hex digits), the
+    same value :func:`write_files_checked` reports. Blocks are hashed in parallel, GIL released.
+
+    Raises as :func:`write_file`, less OSError.
+    """
+
+def hash_files(
+    paths: Sequence[_StrPath], *, threads: int = 0
+) -> list[tuple[list[tuple[str, str]] | None, str | None]]:
+    """The content hashes of the tensors of safetensors files on disk (positional reads, GIL released).
+
+    Returns:
+        Per path, ``(tensors, header_error)``: ``[(tensor, hash)]`` in offset order, or None and the header's
+        validation message.
+
+    Raises:
+        OSError: a file cannot be opened or read.
     """
 
 def crc32c(data: Buffer, value: int = 0) -> int:

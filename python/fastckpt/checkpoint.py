@@ -109,6 +109,10 @@ def save_state(
     max_shard_size: int | str | None = None,
     compat: str | None = None,
     async_save: bool = False,
+    trainable_only: bool = False,
+    trainable_buffers: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
+    share_unchanged: bool = False,
 ) -> Path | AsyncSave:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
@@ -143,6 +147,20 @@ def save_state(
             soon as the copies are enqueued on a side stream) and write the checkpoint on a background thread;
             the checkpoint holds the values as of the call even if training keeps updating them. At most one
             async save is in flight: a second one waits for the first to be written. See :mod:`fastckpt._io.async_writer`.
+        trainable_only: write only the parameters with ``requires_grad`` (and ``trainable_buffers``), plus the
+            optimizer state (which covers only those); the frozen rest is recorded in the manifest by name, dtype,
+            shape and xxh3-128 content hash, and checked when the checkpoint is loaded into a model built from
+            the same base (see :mod:`fastckpt._state.trainable`). With ``model_only`` on a ``peft.PeftModel``:
+            ``adapter_model.safetensors`` + ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes them.
+        trainable_buffers: buffer fqns a ``trainable_only`` save writes too (e.g. BatchNorm running stats).
+        dtype: ``model_only`` saves only: ``torch.bfloat16``, ``float16``, ``float32`` or ``float64``; floating
+            tensors are converted while written, chunk by chunk in the core (round to nearest even, as
+            ``Tensor.to``), with no converted copy in memory; integer and bool tensors are stored unchanged. The
+            manifest and ``config.json`` record the dtype.
+        share_unchanged: with automatic naming (``output_dir=None``) or an ``output_dir`` inside ``project_dir``'s
+            ``checkpoints``: frozen tensors go to shard files of their own, and a shard whose tensors all equal
+            the previous checkpoint's (name, dtype, shape, xxh3-128) is hard-linked from it instead of written
+            (see :mod:`fastckpt._io.sharing`).
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
@@ -151,7 +169,9 @@ def save_state(
     Raises:
         DtypeError: a tensor dtype the format cannot store (names the tensor).
         TypeError: scheduler / optimizer state that cannot be stored without pickle (names its path).
-        ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``.
+        ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``;
+            ``dtype`` without ``model_only`` or not a floating dtype.
+        FrozenWeightsError: never on save (see :func:`load_state`).
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
         Exception: an earlier async save failed and its exception was not yet raised by ``wait()``: it is
             raised here, once (this save is then not made).
@@ -168,17 +188,35 @@ def save_state(
     models = _as_list(model, "model")
     if output_dir is not None:
         output_dir = check_target(output_dir)
+    if share_unchanged and compat is not None:
+        raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                           model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat)
+                           model_only=model_only, step=step,
+                           max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
+                           trainable_only=trainable_only, trainable_buffers=tuple(trainable_buffers), dtype=dtype,
+                           threads=threads)
     auto = output_dir is None
     root = Path(project_dir if project_dir is not None else os.getcwd())
     target = next_checkpoint_dir(root) if auto else Path(output_dir)
+    after_commit = None
+    if share_unchanged:
+        from fastckpt._plan.share import plan_sharing, previous_checkpoint
+
+        after_commit = plan_sharing(plan, models, previous_checkpoint(root, target), max_shard_size=max_shard_size,
+                                    threads=threads)
     if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
         write = functools.partial(write_checkpoint, durable=durable, threads=threads)
         rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
         handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
-        return handle if async_save else handle.wait()
+        if async_save:
+            return handle
+        committed = handle.wait()
+        if after_commit is not None:
+            after_commit(committed)
+        return committed
     write_checkpoint(plan, target, durable=durable, threads=threads)
+    if after_commit is not None:
+        after_commit(target)
     if auto and total_limit is not None:
         rotate_checkpoints(root, total_limit)
     return target.absolute()
@@ -230,6 +268,9 @@ def load_state(
             checkpoint names the missing files); raised before anything is changed.
         KeyMismatchError: ``strict`` and model keys differ (both lists named), or optimizer coverage fails.
         ShapeMismatchError / DtypeError: a stored tensor does not fit its destination (no silent casts).
+        FrozenWeightsError: a ``trainable_only`` checkpoint and ``strict``: a frozen tensor of the model is absent
+            or differs (dtype, shape or xxh3-128 content) from the one it was saved with; names the first.
+            ``strict=False`` skips the check and reports the frozen names as missing keys.
         HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint, or a shard index that disagrees with
             its shards; a shard index naming absent shards raises MissingStateError listing all of them.
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.

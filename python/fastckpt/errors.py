@@ -16,6 +16,7 @@ import pickle
 
 __all__ = [
     "CheckpointError",
+    "FrozenWeightsError",
     "HeaderError",
     "TruncatedFileError",
     "MissingStateError",
@@ -62,6 +63,11 @@ class DtypeError(CheckpointError, TypeError):
 
 class ShapeMismatchError(CheckpointError, ValueError):
     """A stored tensor's shape differs from the shape of the live tensor it is loaded into."""
+
+
+class FrozenWeightsError(CheckpointError, ValueError):
+    """A trainable-only checkpoint is loaded into a model whose frozen weights differ from the ones it was saved
+    with (another base model, or changed frozen tensors); the message names the first tensor that differs."""
 
 
 class UnsafePickleError(CheckpointError, pickle.UnpicklingError):

@@ -95,11 +95,13 @@ def test_checksums_do_not_depend_on_threads_or_chunks(tmp_path):
                ("z", "F16", [0], b"", 0, None)]
     digests = set()
     for threads, chunk in [(1, 8 << 20), (2, 7), (4, 4096), (3, 100_003)]:
-        ((size, crc, tensors),) = _core.write_files_checked([(tmp_path / "f.safetensors", sources, None)],
-                                                            threads=threads, chunk_bytes=chunk, durable=False)
-        digests.add((size, crc, tuple(tensors)))
+        ((size, crc, tensors, hashes),) = _core.write_files_checked([(tmp_path / "f.safetensors", sources, None)],
+                                                                    threads=threads, chunk_bytes=chunk, durable=False)
+        digests.add((size, crc, tuple(tensors), tuple(hashes)))
     assert len(digests) == 1
-    ((size, crc, tensors),) = digests
+    ((size, crc, tensors, hashes),) = digests
+    assert [h for _, h in hashes] == _core.hash_tensors(sorted(sources, key=lambda s: [n for n, _ in tensors].index(s[0])))
+    assert _core.hash_files([str(tmp_path / "f.safetensors")]) == [(list(hashes), None)]
     data = (tmp_path / "f.safetensors").read_bytes()
     assert (size, crc) == (len(data), crc32c(data))
     _, _, header, body = read_split(tmp_path / "f.safetensors")

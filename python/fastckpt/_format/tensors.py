@@ -16,7 +16,7 @@ import torch
 from fastckpt._format.dtypes import F4, stored_shape, to_safetensors_dtype, to_torch_dtype, torch_shape
 from fastckpt.errors import DtypeError, MetaTensorError
 
-__all__ = ["TensorSource", "tensor_source", "tensor_sources", "tensor_from_buffer", "file_tensors", "destination_buffer"]
+__all__ = ["TensorSource", "CONVERTIBLE", "convert_target", "tensor_source", "tensor_sources", "tensor_from_buffer", "file_tensors", "destination_buffer"]
 
 TensorSource = tuple[str, str, list[int], Any, int, "list[int] | None"]
 
@@ -27,18 +27,42 @@ def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     return whole.numpy()
 
 
-def tensor_source(name: str, tensor: torch.Tensor) -> TensorSource:
+#: Floating dtypes the core converts while writing (``save_state(..., dtype=...)``), by safetensors name.
+CONVERTIBLE = ("F16", "BF16", "F32", "F64")
+
+
+def convert_target(name: str, dtype_name: str, convert_to: str | None) -> str | None:
+    """The dtype a tensor of ``dtype_name`` is stored as under ``convert_to`` (a safetensors floating dtype name):
+    floating tensors convert, integer / bool / complex tensors are stored unchanged (None).
+
+    Raises:
+        DtypeError: a float8 / sub-byte floating tensor, which the core does not convert (names it).
+    """
+    if convert_to is None or dtype_name == convert_to:
+        return None
+    if dtype_name in CONVERTIBLE:
+        return convert_to
+    if dtype_name.startswith("F") and dtype_name != "F64":
+        raise DtypeError(f"tensor {name!r} is {dtype_name}; fastckpt converts only F16, BF16, F32 and F64 while "
+                         f"writing (to {convert_to}); save without dtype= or convert it first")
+    return None
+
+
+def tensor_source(name: str, tensor: torch.Tensor, convert_to: str | None = None) -> TensorSource:
     """Describe one tensor for the Rust writer without copying host memory.
 
     Args:
         name: the tensor's name in the file (an fqn such as ``"encoder.layer.0.weight"``).
         tensor: any dense tensor; non-contiguous, expanded and conjugate views are fine.
+        convert_to: a safetensors floating dtype name (``"BF16"``, ``"F16"``, ``"F32"``): a floating tensor is
+            stored in it, converted by the core while it is written (see :func:`convert_target`).
 
     Returns:
-        ``(name, dtype, shape, buffer, byte_offset, byte_strides)`` as ``docs/CORE_API.md`` defines.
+        ``(name, dtype, shape, buffer, byte_offset, byte_strides)`` as ``docs/CORE_API.md`` defines, with a
+        seventh entry (the target dtype) when the tensor is converted.
 
     Raises:
-        DtypeError: the dtype has no safetensors name (e.g. complex128).
+        DtypeError: the dtype has no safetensors name (e.g. complex128), or cannot be converted.
         ValueError: a sparse or quantized tensor, or not a tensor.
         MetaTensorError (a NotImplementedError, as safetensors): a meta tensor.
     """
@@ -59,15 +83,19 @@ def tensor_source(name: str, tensor: torch.Tensor) -> TensorSource:
     if dtype_name == F4 and not t.is_contiguous():
         t = t.contiguous()  # packed sub-byte values cannot be gathered element by element
     shape = stored_shape(t)
+    target = convert_target(name, dtype_name, convert_to)
+    tail: tuple = () if target is None else (target,)
     if t.numel() == 0:
-        return (name, dtype_name, shape, b"", 0, None)
+        return (name, dtype_name, shape, b"", 0, None, *tail)  # type: ignore[return-value]
     itemsize = t.element_size()
     strides = None if t.is_contiguous() else [s * itemsize for s in t.stride()]
-    return (name, dtype_name, shape, _storage_bytes(t), t.storage_offset() * itemsize, strides)
+    return (name, dtype_name, shape, _storage_bytes(t), t.storage_offset() * itemsize, strides,  # type: ignore[return-value]
+            *tail)
 
 
-def tensor_sources(state_dict: Mapping[str, torch.Tensor]) -> list[TensorSource]:
-    """:func:`tensor_source` for every entry of a flat ``{name: tensor}`` mapping, in its order.
+def tensor_sources(state_dict: Mapping[str, torch.Tensor], convert_to: str | None = None) -> list[TensorSource]:
+    """:func:`tensor_source` for every entry of a flat ``{name: tensor}`` mapping, in its order (floating tensors
+    converted to ``convert_to`` while written, when given).
 
     Raises:
         ValueError: ``state_dict`` is not a mapping (as safetensors). TypeError: a name is not a str (as safetensors).
@@ -78,7 +106,7 @@ def tensor_sources(state_dict: Mapping[str, torch.Tensor]) -> list[TensorSource]
     for name, tensor in state_dict.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
-        sources.append(tensor_source(name, tensor))
+        sources.append(tensor_source(name, tensor, convert_to))
     return sources
 
 

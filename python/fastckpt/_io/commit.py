@@ -159,10 +159,19 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
     staging = owner.path
     try:
         staging.mkdir()
-        jobs = [(str(staging / p.name), tensor_sources(p.tensors), p.metadata) for p in plan.parts]
+        jobs = [(str(staging / p.name), tensor_sources(p.tensors, p.dtype), p.metadata) for p in plan.parts]
         digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=ready)
         files = {p.name: digest[0] for p, digest in zip(plan.parts, digests)}
         checksums = {p.name: digest_entry(digest) for p, digest in zip(plan.parts, digests)}
+        if plan.links:  # shards equal to the previous checkpoint's: hard links (see fastckpt._io.sharing)
+            from fastckpt._io.sharing import link_into
+
+            def write_one(part: Any) -> tuple[int, dict[str, Any]]:
+                job = [(str(staging / part.name), tensor_sources(part.tensors, part.dtype), part.metadata)]
+                digest = _core.write_files_checked(job, durable=durable, threads=threads, ready=ready)[0]
+                return digest[0], digest_entry(digest)
+
+            link_into(plan, staging, files, checksums, write=write_one)
         for name, text in plan.texts.items():
             data = text if isinstance(text, bytes) else text.encode("utf-8")
             files[name] = write_text(staging / name, data, durable)

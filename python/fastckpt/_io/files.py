@@ -15,11 +15,13 @@ __all__ = ["FilePart", "SavePlan"]
 
 @dataclass
 class FilePart:
-    """One safetensors file of a checkpoint: ``name`` in the folder, ``{tensor_name: tensor}``, metadata."""
+    """One safetensors file of a checkpoint: ``name`` in the folder, ``{tensor_name: tensor}``, metadata; ``dtype``
+    (a safetensors name such as ``"BF16"``) stores its floating tensors in that dtype, converted while written."""
 
     name: str
     tensors: dict[str, torch.Tensor]
     metadata: list[tuple[str, str]] | None
+    dtype: str | None = None
 
 
 @dataclass
@@ -31,6 +33,7 @@ class SavePlan:
     counts: dict[str, Any]  # part counts, plus manifest facts such as "layout": "accelerate"
     parts: list[FilePart] = field(default_factory=list)
     texts: dict[str, str | bytes] = field(default_factory=dict)  # small files: JSON text, or bytes (compat pickles)
+    links: dict[str, Any] = field(default_factory=dict)  # files hard-linked from the previous checkpoint (sharing)
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,8 @@
 """Checksums of a checkpoint: recorded in the manifest as it is written, checked by ``verify``.
 
-Every file of a checkpoint gets a crc32c (Castagnoli) of all its bytes in ``fastckpt.json``; every tensor of a
+Every tensor also gets its xxh3-128 content hash (``"xxh3": {tensor: 32 hex digits}``, see ``_core.hash_tensors``),
+the key by which unchanged tensors are recognised across checkpoints (:mod:`fastckpt._io.sharing`); ``verify``
+checks both. Every file of a checkpoint gets a crc32c (Castagnoli) of all its bytes in ``fastckpt.json``; every tensor of a
 safetensors file also gets the crc32c of its data bytes, so a report names the damaged tensor::
 
     "files": {"model.safetensors": {"bytes": 1234, "crc32c": "8a9136aa",
@@ -31,10 +33,14 @@ def crc_hex(value: int) -> str:
     return f"{value:08x}"
 
 
-def digest_entry(digest: tuple[int, int, list[tuple[str, int]]]) -> dict[str, Any]:
-    """The manifest's checksum fields for a safetensors file from ``_core.write_files_checked``'s digest."""
-    _size, crc, tensors = digest
-    return {"crc32c": crc_hex(crc), "tensors": {name: crc_hex(t) for name, t in tensors}}
+def digest_entry(digest: tuple) -> dict[str, Any]:
+    """The manifest's checksum fields for a safetensors file from ``_core.write_files_checked``'s digest: the
+    crc32c of the file and of each tensor, and each tensor's xxh3-128 content hash (``"xxh3"``)."""
+    _size, crc, tensors, *rest = digest
+    entry = {"crc32c": crc_hex(crc), "tensors": {name: crc_hex(t) for name, t in tensors}}
+    if rest:
+        entry["xxh3"] = dict(rest[0])
+    return entry
 
 
 def text_entry(data: bytes) -> dict[str, Any]:
@@ -52,6 +58,7 @@ class VerifyReport:
         problems: one line per damage, each naming the file (and the tensor when one is known) and the numbers.
         tensors_checked: how many tensors had their crc32c compared.
         bytes_checked: bytes read and summed.
+        hashes_checked: how many tensors had their xxh3-128 content hash compared (after their crc32c matched).
     """
 
     folder: Path
@@ -59,6 +66,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     tensors_checked: int = 0
     bytes_checked: int = 0
+    hashes_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -138,6 +146,16 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ver
     files = manifest.get("files", {})
     for name, actual in zip(present, sums):
         _compare(report, name, files[name], actual)
+    hashed = [n for n in present if isinstance(files[n].get("xxh3"), dict) and report.files.get(n) == "ok"]
+    for name, (tensors, _error) in zip(hashed, _core.hash_files([str(folder / n) for n in hashed], threads=threads)):
+        got = dict(tensors or [])
+        for tensor, want in files[name]["xxh3"].items():
+            report.hashes_checked += 1
+            if got.get(tensor) != want:
+                problem = (f"{folder / name}: tensor {tensor!r}: xxh3-128 {got.get(tensor)} on disk, {want} recorded "
+                           f"in {MANIFEST}")
+                report.files[name] = problem
+                report.problems.append(problem)
     return report
 
 

@@ -120,7 +120,7 @@ def manifest_dict(mode: str, files: dict[str, int], counts: dict[str, int], step
 
 def is_model_file(name: str) -> bool:
     """Whether a checkpoint file holds model weights (``model*.safetensors``, its shard index, ``config.json``)."""
-    return name.startswith("model") or name == "config.json"
+    return name.startswith(("model", "adapter_")) or name == "config.json"
 
 
 def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False) -> dict[str, Any]:
@@ -166,6 +166,35 @@ def _is_hex8(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
 
 
+def is_hash_hex(value: Any) -> bool:
+    """Whether ``value`` is a content hash as the manifest stores it: 32 lowercase hex digits (xxh3-128)."""
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_sharing_fields(bad: Any, manifest: dict[str, Any]) -> None:
+    """``frozen`` (trainable-only saves), ``shared`` / ``frozen_files`` (share_unchanged) and ``peft`` have the
+    types fastckpt writes."""
+    frozen = manifest.get("frozen", {})
+    if not isinstance(frozen, dict) or not all(isinstance(v, dict) for v in frozen.values()):
+        raise bad("'frozen' must map model names to {tensor: {dtype, shape, xxh3}}")
+    for model, record in frozen.items():
+        for name, info in record.items():
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not isinstance(shape, list)
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                    or not is_hash_hex(info.get("xxh3"))):
+                raise bad(f"frozen[{model!r}][{name!r}] must be {{dtype: str, shape: [int], xxh3: 32 hex digits}}, "
+                          f"got {info!r}")
+    shared = manifest.get("shared", {})
+    if not isinstance(shared, dict) or not all(isinstance(v, str) for v in shared.values()):
+        raise bad("'shared' must map file names to the checkpoint files they were linked from")
+    frozen_files = manifest.get("frozen_files", [])
+    if not isinstance(frozen_files, list) or not all(isinstance(v, str) for v in frozen_files):
+        raise bad("'frozen_files' must be a list of file names")
+    if not isinstance(manifest.get("peft", ""), str):
+        raise bad(f"'peft' must be a file name, got {manifest['peft']!r}")
+
+
 def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
     """The manifest's fields have the types fastckpt writes; file names stay inside the folder (HeaderError)."""
     def bad(msg: str) -> HeaderError:
@@ -177,6 +206,7 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
             raise bad(f"{key!r} must be a non-negative integer, got {value!r}")
     if not isinstance(manifest.get("mode", ""), str):
         raise bad(f"'mode' must be a string, got {manifest['mode']!r}")
+    _check_sharing_fields(bad, manifest)
     files = manifest.get("files", {})
     if not isinstance(files, dict):
         raise bad(f"'files' must be an object, got {type(files).__name__}")
@@ -193,6 +223,9 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
         tensors = info.get("tensors", {})
         if not isinstance(tensors, dict) or not all(_is_hex8(v) for v in tensors.values()):
             raise bad(f"files[{name!r}]['tensors'] must map tensor names to 8 hex digits")
+        hashes = info.get("xxh3", {})
+        if not isinstance(hashes, dict) or not all(is_hash_hex(v) for v in hashes.values()):
+            raise bad(f"files[{name!r}]['xxh3'] must map tensor names to 32 hex digits")
 
 
 def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:

@@ -26,8 +26,10 @@ from fastckpt._io.shards import open_state_file, open_state_files
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import plan_module_load
 from fastckpt._state.optimizer import param_fqns, read_optimizer_state
+from fastckpt._state.peft_adapter import ADAPTER_FILE, is_peft_model, key_map
 from fastckpt._state.rng import read_rng_state
 from fastckpt._state.state_check import check_state_like
+from fastckpt._state.trainable import check_frozen
 from fastckpt.errors import MissingStateError
 
 __all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]
@@ -104,9 +106,15 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
             )
 
     load = LoadPlan()
+    frozen = manifest.get("frozen") if isinstance(manifest.get("frozen"), dict) else {}
     for i, m in enumerate(models):
-        plan = plan_module_load(m, open_state_files(folder, part_name("model", i, ""), f"model {i}"),
-                                strict=strict)
+        record = frozen.get(part_name("model", i, ""))
+        exempt = check_frozen(m, record, where=str(folder)) if record and strict else set()
+        if i == 0 and manifest.get("peft") == ADAPTER_FILE:
+            files, rename = [_open_part(folder, ADAPTER_FILE, "a PEFT adapter load")], key_map(m) if is_peft_model(m) else {}
+        else:
+            files, rename = open_state_files(folder, part_name("model", i, ""), f"model {i}"), None
+        plan = plan_module_load(m, files, strict=strict, rename=rename, exempt=exempt)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]

@@ -12,7 +12,7 @@ plan is valid, so a failed load leaves the module untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Collection, Mapping, NamedTuple
 
 import torch
 
@@ -138,8 +138,12 @@ def _file_aliases(file: object, names: set[str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k != "format" and v in names and k not in names}
 
 
-def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True) -> ModelLoadPlan:
+def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True,
+                     rename: Mapping[str, str] | None = None, exempt: Collection[str] = ()) -> ModelLoadPlan:
     """Check ``files`` (opened ``_core.SafetensorsFile`` objects, e.g. shards) against ``module``; change nothing.
+
+    ``rename``: ``{name in the files: state_dict name}`` for files keyed otherwise (PEFT's adapter keys).
+    ``exempt``: state_dict names that are not missing when the files lack them (frozen weights already checked).
 
     Raises:
         KeyMismatchError: ``strict`` and names are missing or unexpected (both lists in the message).
@@ -150,7 +154,7 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
     aliases: dict[str, str] = {}
     for f in files:
         for name, dtype, shape, begin, end in f.tensors():
-            sources[canonical_fqn(name)] = _Source(f, name, dtype, shape, begin, end)
+            sources[canonical_fqn(rename.get(name, name) if rename else name)] = _Source(f, name, dtype, shape, begin, end)
     stored = {s.name for s in sources.values()}
     for f in files:
         aliases.update({canonical_fqn(k): canonical_fqn(v) for k, v in _file_aliases(f, stored).items()})
@@ -168,7 +172,7 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
         covered.add(name)
         plan.assignments.append((dst, src, name))
     for name in live:
-        if name not in covered and not any(m in covered for m in live_groups.get(name, ())):
+        if name not in covered and name not in exempt and not any(m in covered for m in live_groups.get(name, ())):
             plan.missing_keys.append(name)
     plan.unexpected_keys = [s.name for c, s in sources.items() if c not in live_canonical]
     plan.unexpected_keys += [n for n in aliases if n not in live_canonical]
@@ -250,10 +254,3 @@ def load_into_module(module: torch.nn.Module, path: str, *, strict: bool = True)
     plan = plan_module_load(module, [_core.SafetensorsFile(path)], strict=strict)
     apply_module_load(plan)
     return plan.missing_keys, plan.unexpected_keys
-
-
-def model_config_json(model: Any) -> str | None:
-    """A transformers model's ``config.json`` text, or None (see :mod:`fastckpt._state.hf_files`)."""
-    from fastckpt._state.hf_files import model_config_json as config_json
-
-    return config_json(model)

@@ -27,7 +27,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -82,6 +82,10 @@ def save_state(
     max_shard_size: int | str | None = _DEFAULT,
     durable: bool = True,
     threads: int = 0,
+    trainable_only: bool = False,
+    trainable_buffers: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
+    share_unchanged: bool = False,
 ) -> Path:
     """Save everything ``accelerator`` tracks (or only the model weights) to a checkpoint folder, crash-safely.
 
@@ -99,6 +103,10 @@ def save_state(
             default ``"10GB"`` (accelerate's), None for one file each. Not with ``compat="accelerate"``.
         durable: fsync files and folders before returning (default True).
         threads: writer threads; 0 picks min(8, cores).
+        trainable_only, trainable_buffers, dtype: as :func:`fastckpt.save_state` (only parameters with
+            ``requires_grad``, frozen ones recorded and checked on load; ``dtype`` for model-only exports).
+        share_unchanged: as :func:`fastckpt.save_state`: frozen tensors in shards of their own, hard-linked from
+            the previous checkpoint of ``project_dir`` when unchanged. Not with ``compat="accelerate"``.
 
     Returns:
         The committed checkpoint folder (the same on every process).
@@ -115,6 +123,8 @@ def save_state(
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
     _check_supported(accelerator)
+    if compat is not None and (trainable_only or dtype is not None or share_unchanged):
+        raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
     if compat not in (None, "accelerate"):
         raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
     if max_shard_size is _DEFAULT:
@@ -158,11 +168,21 @@ def save_state(
                                          model_states=weights, rng_pickles=rng)
         else:
             plan = build_save_plan(unwrapped, optimizers, schedulers, model_only=model_only, step=step,
-                                   max_shard_size=max_shard_size, model_states=weights, rng_states=rng)
+                                   max_shard_size=None if share_unchanged else max_shard_size, model_states=weights,
+                                   rng_states=rng, trainable_only=trainable_only,
+                                   trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
         if not model_only:
             plan.counts["processes"] = len(rng or [])
             add_tracked_objects(plan, accelerator, compat=bool(compat))
+        after_commit = None
+        if share_unchanged:
+            from fastckpt._plan.share import plan_sharing, previous_checkpoint
+
+            after_commit = plan_sharing(plan, unwrapped, previous_checkpoint(_project_root(accelerator), target),
+                                        max_shard_size=max_shard_size, threads=threads)
         write_checkpoint(plan, target, durable=durable, threads=threads)
+        if after_commit is not None:
+            after_commit(target)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
             rotate_checkpoints(_project_root(accelerator), limit)

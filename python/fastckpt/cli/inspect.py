@@ -78,7 +78,46 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
                         for p in sorted(path.iterdir()) if p.is_file()]
     out["tensor_files"] = [_describe_file(path / f["file"]) for f in out["files"]
                            if f["file"].endswith(".safetensors") and (path / f["file"]).is_file()]
+    if (path / MANIFEST).is_file():
+        out["parts"] = _parts(manifest)
     return out
+
+
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+               "U16": 2}
+
+
+def _parts(manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Bytes per part of a checkpoint: ``trainable`` (model files holding trainable tensors), ``frozen`` (frozen
+    shards written by this save), ``shared`` (frozen shards hard-linked from an earlier checkpoint: no bytes
+    written), ``optimizer``, ``other``; and ``frozen_not_stored`` (the frozen tensors a trainable-only save only
+    recorded). Each as ``{"files": n, "bytes": b}`` (``"tensors"`` for the last)."""
+    shared = manifest.get("shared") if isinstance(manifest.get("shared"), dict) else {}
+    frozen_files = set(manifest.get("frozen_files") or [])
+    parts = {k: {"files": 0, "bytes": 0} for k in ("trainable", "frozen", "shared", "optimizer", "other")}
+    for name, info in manifest.get("files", {}).items():
+        if name in shared:
+            kind = "shared"
+        elif name in frozen_files:
+            kind = "frozen"
+        elif name.startswith(("model", "adapter_")) and name.endswith(".safetensors"):
+            kind = "trainable"
+        elif name.startswith("optimizer"):
+            kind = "optimizer"
+        else:
+            kind = "other"
+        parts[kind]["files"] += 1
+        parts[kind]["bytes"] += int(info.get("bytes", 0))
+    record = manifest.get("frozen") if isinstance(manifest.get("frozen"), dict) else {}
+    tensors = [t for per_model in record.values() if isinstance(per_model, dict) for t in per_model.values()]
+    nbytes = 0
+    for t in tensors:
+        n = _ITEM_BYTES.get(t.get("dtype"), 1)
+        for d in t.get("shape", []):
+            n *= d
+        nbytes += n
+    parts["frozen_not_stored"] = {"tensors": len(tensors), "bytes": nbytes}
+    return parts
 
 
 def _print_tensors(desc: dict[str, Any], limit: int) -> None:
@@ -121,6 +160,18 @@ def run(args: argparse.Namespace) -> int:
                                          "fastckpt_version") if k in desc]
     if facts:
         print("  " + ", ".join(facts))
+    if "parts" in desc:
+        p = desc["parts"]
+        written = sum(p[k]["bytes"] for k in ("trainable", "frozen", "optimizer", "other"))
+        print(f"\nparts: {written:,} bytes written by this save ({_human(written)}), {p['shared']['bytes']:,} "
+              f"shared with an earlier checkpoint")
+        for kind in ("trainable", "frozen", "shared", "optimizer", "other"):
+            if p[kind]["files"]:
+                print(f"  {kind:<10} {p[kind]['files']:>3} files  {p[kind]['bytes']:>14,} B  ({_human(p[kind]['bytes'])})")
+        if p["frozen_not_stored"]["tensors"]:
+            f = p["frozen_not_stored"]
+            print(f"  frozen, recorded only (trainable_only): {f['tensors']} tensors, {f['bytes']:,} B "
+                  f"({_human(f['bytes'])}), checked by name, dtype, shape and xxh3-128 on load")
     width = max((len(_safe(f["file"])) for f in desc["files"]), default=4)
     print(f"\n{len(desc['files'])} files:")
     for f in desc["files"]:

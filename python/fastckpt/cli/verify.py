@@ -51,8 +51,8 @@ def _verify_folder(folder: Path, args: argparse.Namespace) -> int:
             tag = "ok  " if status == "ok" else "NOTE" if status.startswith("no checksum") else "BAD "
             print(f"  {tag} {name}" + (f": {status}" if tag == "NOTE" else ""))
     if report.ok:
-        print(f"{folder}: intact: {len(report.files)} files, {report.tensors_checked} tensors, "
-              f"{report.bytes_checked:,} bytes checked")
+        print(f"{folder}: intact: {len(report.files)} files, {report.tensors_checked} tensors "
+              f"({report.hashes_checked} with xxh3-128 content hashes), {report.bytes_checked:,} bytes checked")
         return 0
     print(f"IntegrityError: {report.message()}", file=sys.stderr)
     print(f"{folder}: DAMAGED: {len(report.problems)} problem(s) in {len(report.files)} files")

@@ -29,6 +29,9 @@ pub struct FileChecksums {
     pub file_crc32c: u32,
     /// `(name, crc32c of its data bytes)` in file (offset) order; an empty tensor's crc is 0.
     pub tensors: Vec<(String, u32)>,
+    /// Each tensor's content hash ([`crate::content_hash`]), in the order of `tensors`; empty when not
+    /// computed.
+    pub tensor_hashes: Vec<u128>,
 }
 
 /// The crc32c of one run of bytes of a file: `tensor` indexes the file's tensors (offset order); `None` for
@@ -60,6 +63,7 @@ pub fn fold(pieces: impl IntoIterator<Item = PieceCrc>, names: Vec<String>) -> F
         file_size: size,
         file_crc32c: file,
         tensors: names.into_iter().zip(tensors).collect(),
+        tensor_hashes: Vec::new(),
     }
 }
 
@@ -127,7 +131,7 @@ fn open_for_summing(path: &Path) -> Result<Summing> {
 }
 
 /// Read and validate the header of an open file (I/O errors are reported as errors of the header).
-fn read_header(file: &File, size: u64, path: &Path) -> Result<header::Header> {
+pub(crate) fn read_header(file: &File, size: u64, path: &Path) -> Result<header::Header> {
     let label = path.display().to_string();
     let mut prefix = [0u8; 8];
     let got = (size as usize).min(8);

@@ -11,6 +11,7 @@ fn src<'a>(name: &str, dtype: Dtype, shape: &[u64], data: &'a [u8]) -> TensorSou
         data,
         byte_offset: 0,
         byte_strides: None,
+        convert_to: None,
     }
 }
 

@@ -8,11 +8,15 @@
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
 //! - [`commit`]: put a staging folder in place atomically.
 //! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
+//! - [`content_hash`]: xxh3-128 content hashes per tensor, computed while writing (shared frozen weights).
+//! - [`convert`]: floating dtype conversion while writing (round to nearest even, as torch does).
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod checksum;
 pub mod commit;
+pub mod content_hash;
+pub mod convert;
 pub mod dtype;
 pub mod error;
 pub mod header;

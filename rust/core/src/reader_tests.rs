@@ -17,6 +17,7 @@ fn written(dir: &Path) -> (PathBuf, Vec<u8>, Vec<u8>) {
             data: &a,
             byte_offset: 0,
             byte_strides: None,
+            convert_to: None,
         },
         TensorSource {
             name: "b".into(),
@@ -25,6 +26,7 @@ fn written(dir: &Path) -> (PathBuf, Vec<u8>, Vec<u8>) {
             data: &b,
             byte_offset: 0,
             byte_strides: None,
+            convert_to: None,
         },
     ];
     write_file(

@@ -20,6 +20,9 @@ pub struct TensorSource<'a> {
     pub byte_offset: u64,
     /// Strides in bytes; `None` means C-contiguous. Sub-byte dtypes must be contiguous.
     pub byte_strides: Option<Vec<u64>>,
+    /// Store it as this dtype instead, converted while it is written (floating dtypes only, see
+    /// [`crate::convert`]); `None` stores `dtype` as is.
+    pub convert_to: Option<Dtype>,
 }
 
 /// How a checked source's bytes are laid out in its buffer.
@@ -41,12 +44,14 @@ enum Layout<'a> {
 pub struct CheckedSource<'a> {
     /// The name to store it under.
     pub name: String,
-    /// Its dtype.
+    /// Its dtype in the file (the converted dtype when it is converted).
     pub dtype: Dtype,
     /// Its logical shape.
     pub shape: Vec<u64>,
     /// Its size in the file, in bytes.
     pub nbytes: u64,
+    /// The dtype of its memory when it is converted while written; `None` when it is written as is.
+    pub converted_from: Option<Dtype>,
     layout: Layout<'a>,
 }
 
@@ -150,11 +155,19 @@ impl<'a> TensorSource<'a> {
                 }
             }
         };
+        let (dtype, nbytes, converted_from) = match self.convert_to {
+            Some(to) if to != self.dtype => {
+                crate::convert::check(self.dtype, to, name)?;
+                (to, n * (to.bits() / 8), Some(self.dtype))
+            }
+            _ => (self.dtype, nbytes, None),
+        };
         Ok(CheckedSource {
             name: self.name.clone(),
-            dtype: self.dtype,
+            dtype,
             shape: self.shape.clone(),
             nbytes,
+            converted_from,
             layout,
         })
     }
@@ -183,21 +196,72 @@ fn simplify(shape: &[u64], strides: &[u64], item: u64) -> Option<Vec<(u64, u64)>
 }
 
 impl CheckedSource<'_> {
-    /// Whether the bytes can be written straight from the buffer (no gather).
+    /// Whether the bytes can be written straight from the buffer (no gather, no conversion).
     pub fn contiguous_bytes(&self) -> Option<&[u8]> {
         match &self.layout {
-            Layout::Contiguous(bytes) => Some(bytes),
-            Layout::Strided { .. } => None,
+            Layout::Contiguous(bytes) if self.converted_from.is_none() => Some(bytes),
+            _ => None,
         }
     }
 
-    /// Copy the tensor's logical bytes `[start, start + out.len())` (row-major order) into `out`.
-    /// Panics if the range is outside `0..nbytes` (callers plan ranges from `nbytes`).
+    /// Copy the tensor's logical bytes `[start, start + out.len())` (row-major order, in the file's dtype)
+    /// into `out`, converting them when the tensor is converted. Panics if the range is outside `0..nbytes`
+    /// (callers plan ranges from `nbytes`).
     pub fn gather(&self, start: u64, out: &mut [u8]) {
         assert!(
             start + out.len() as u64 <= self.nbytes,
             "gather past the tensor's end"
         );
+        match self.converted_from {
+            Some(from) => self.gather_converted(from, start, out),
+            None => self.gather_raw(start, out),
+        }
+    }
+
+    /// Elements `[first, first + count)` converted to the file's dtype into `out` (`count` file elements).
+    fn convert_elements(&self, from: Dtype, first: u64, out: &mut [u8]) {
+        let (s, o) = (from.bits() / 8, self.dtype.bits() / 8);
+        let count = out.len() as u64 / o;
+        match &self.layout {
+            Layout::Contiguous(bytes) => {
+                let src = &bytes[(first * s) as usize..((first + count) * s) as usize];
+                crate::convert::convert(from, self.dtype, src, out);
+            }
+            Layout::Strided { .. } => {
+                let mut scratch = [0u8; CONVERT_BLOCK * 8];
+                let src = &mut scratch[..(count * s) as usize];
+                self.gather_raw(first * s, src);
+                crate::convert::convert(from, self.dtype, src, out);
+            }
+        }
+    }
+
+    /// Converted bytes `[start, start + out.len())`, in blocks of [`CONVERT_BLOCK`] elements; a partial
+    /// element at either end is converted whole into a small buffer and the needed bytes copied.
+    fn gather_converted(&self, from: Dtype, start: u64, out: &mut [u8]) {
+        let o = self.dtype.bits() / 8;
+        let end = start + out.len() as u64;
+        let mut e = start / o;
+        while e * o < end {
+            let block_end = (e + CONVERT_BLOCK as u64).min(end.div_ceil(o));
+            let (b0, b1) = (e * o, block_end * o);
+            if b0 >= start && b1 <= end {
+                let at = (b0 - start) as usize;
+                self.convert_elements(from, e, &mut out[at..at + (b1 - b0) as usize]);
+            } else {
+                let mut tmp = [0u8; CONVERT_BLOCK * 8];
+                let tmp = &mut tmp[..(b1 - b0) as usize];
+                self.convert_elements(from, e, tmp);
+                let (lo, hi) = (b0.max(start), b1.min(end));
+                out[(lo - start) as usize..(hi - start) as usize]
+                    .copy_from_slice(&tmp[(lo - b0) as usize..(hi - b0) as usize]);
+            }
+            e = block_end;
+        }
+    }
+
+    /// The source memory's logical bytes `[start, start + out.len())` (in the source dtype).
+    fn gather_raw(&self, start: u64, out: &mut [u8]) {
         match &self.layout {
             Layout::Contiguous(bytes) => {
                 out.copy_from_slice(&bytes[start as usize..start as usize + out.len()]);
@@ -206,6 +270,9 @@ impl CheckedSource<'_> {
         }
     }
 }
+
+/// Elements converted per block (the block buffers live on the stack: at most 8 bytes an element).
+const CONVERT_BLOCK: usize = 4096;
 
 /// Gather logical bytes `[start, start + out.len())` of a strided tensor, one innermost row at a time.
 fn gather_strided(base: &[u8], item: u64, dims: &[(u64, u64)], start: u64, out: &mut [u8]) {

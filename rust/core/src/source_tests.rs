@@ -16,6 +16,7 @@ fn src<'a>(
         data,
         byte_offset: off,
         byte_strides: strides.map(<[u64]>::to_vec),
+        convert_to: None,
     }
 }
 

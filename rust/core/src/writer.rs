@@ -14,6 +14,7 @@ use std::sync::OnceLock;
 use std::sync::{Arc, Barrier};
 
 use crate::checksum::{self, FileChecksums, PieceCrc};
+use crate::content_hash;
 use crate::error::{Error, IoContext, Result};
 use crate::layout::FileLayout;
 use crate::pool;
@@ -153,76 +154,88 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
     let max_data = layouts.iter().map(|l| l.data_len).max().unwrap_or(0);
     let buffer_len = chunk.min(max_data) as usize;
     let crcs: Vec<OnceLock<Vec<PieceCrc>>> = (0..total_chunks).map(|_| OnceLock::new()).collect();
+    let hashes: Vec<OnceLock<Vec<BlockHash>>> =
+        (0..total_chunks).map(|_| OnceLock::new()).collect();
     let buffers = AtomicUsize::new(0);
     let buffer_bytes = AtomicU64::new(0);
     #[cfg(test)]
     let barrier = opts.start_barrier.as_deref();
     #[cfg(not(test))]
     let barrier = None;
-    let report = pool::run::<Vec<u8>, _>(opts.threads, total_chunks, barrier, |buf, k| {
-        let f = first_chunk.partition_point(|&c| c <= k) - 1;
-        let (layout, temp) = (&layouts[f], &temps[f]);
-        let range = layout.chunk_range(k - first_chunk[f], chunk);
-        let file_offset = layout.data_start() + range.start;
-        let pieces: Vec<_> = layout.pieces(range).collect();
-        if let Some(gate) = &opts.ready {
-            let spans: Vec<(usize, usize)> = pieces
+    let report =
+        pool::run::<(Vec<u8>, Vec<u8>), _>(opts.threads, total_chunks, barrier, |state, k| {
+            let (buf, scratch) = (&mut state.0, &mut state.1);
+            let f = first_chunk.partition_point(|&c| c <= k) - 1;
+            let (layout, temp) = (&layouts[f], &temps[f]);
+            let range = layout.chunk_range(k - first_chunk[f], chunk);
+            let file_offset = layout.data_start() + range.start;
+            let pieces: Vec<_> = layout.pieces(range).collect();
+            if let Some(gate) = &opts.ready {
+                let spans: Vec<(usize, usize)> = pieces
+                    .iter()
+                    .filter_map(|p| {
+                        let bytes = layout.tensors[p.tensor].contiguous_bytes()?;
+                        Some((bytes[p.start as usize..].as_ptr() as usize, p.len))
+                    })
+                    .collect();
+                (gate.0)(&spans)?;
+            }
+            let gathered: usize = pieces
                 .iter()
-                .filter_map(|p| {
-                    let bytes = layout.tensors[p.tensor].contiguous_bytes()?;
-                    Some((bytes[p.start as usize..].as_ptr() as usize, p.len))
+                .filter(|p| layout.tensors[p.tensor].contiguous_bytes().is_none())
+                .map(|p| p.len)
+                .sum();
+            if gathered > 0 && buf.is_empty() {
+                *buf = vec![0u8; buffer_len];
+                buffers.fetch_add(1, Ordering::Relaxed);
+                buffer_bytes.fetch_add(buffer_len as u64, Ordering::Relaxed);
+            }
+            let mut at = 0;
+            for p in pieces.iter() {
+                let t = &layout.tensors[p.tensor];
+                if t.contiguous_bytes().is_none() {
+                    t.gather(p.start, &mut buf[at..at + p.len]);
+                    at += p.len;
+                }
+            }
+            let mut at = 0;
+            let parts: Vec<&[u8]> = pieces
+                .iter()
+                .map(|p| match layout.tensors[p.tensor].contiguous_bytes() {
+                    Some(bytes) => &bytes[p.start as usize..p.start as usize + p.len],
+                    None => {
+                        at += p.len;
+                        &buf[at - p.len..at]
+                    }
                 })
                 .collect();
-            (gate.0)(&spans)?;
-        }
-        let gathered: usize = pieces
-            .iter()
-            .filter(|p| layout.tensors[p.tensor].contiguous_bytes().is_none())
-            .map(|p| p.len)
-            .sum();
-        if gathered > 0 && buf.is_empty() {
-            *buf = vec![0u8; buffer_len];
-            buffers.fetch_add(1, Ordering::Relaxed);
-            buffer_bytes.fetch_add(buffer_len as u64, Ordering::Relaxed);
-        }
-        let mut at = 0;
-        for p in pieces.iter() {
-            let t = &layout.tensors[p.tensor];
-            if t.contiguous_bytes().is_none() {
-                t.gather(p.start, &mut buf[at..at + p.len]);
-                at += p.len;
+            let sums = pieces.iter().zip(&parts).map(|(p, bytes)| PieceCrc {
+                tensor: Some(p.tensor),
+                crc: checksum::crc32c_append(0, bytes),
+                len: p.len as u64,
+            });
+            crcs[k].set(sums.collect()).expect("each chunk once");
+            let blocks = pieces
+                .iter()
+                .zip(&parts)
+                .flat_map(|(p, bytes)| piece_blocks(&layout.tensors[p.tensor], p, bytes, scratch));
+            hashes[k].set(blocks.collect()).expect("each chunk once");
+            sys::write_all_vectored_at(&temp.file, &parts, file_offset).at(
+                &temp.path,
+                &format!(
+                    "writing {} bytes at offset {file_offset}",
+                    range_len(&parts)
+                ),
+            )?;
+            if opts.durable {
+                sys::start_writeback(&temp.file, file_offset, range_len(&parts) as u64);
             }
-        }
-        let mut at = 0;
-        let parts: Vec<&[u8]> = pieces
-            .iter()
-            .map(|p| match layout.tensors[p.tensor].contiguous_bytes() {
-                Some(bytes) => &bytes[p.start as usize..p.start as usize + p.len],
-                None => {
-                    at += p.len;
-                    &buf[at - p.len..at]
-                }
-            })
-            .collect();
-        let sums = pieces.iter().zip(&parts).map(|(p, bytes)| PieceCrc {
-            tensor: Some(p.tensor),
-            crc: checksum::crc32c_append(0, bytes),
-            len: p.len as u64,
-        });
-        crcs[k].set(sums.collect()).expect("each chunk once");
-        sys::write_all_vectored_at(&temp.file, &parts, file_offset).at(
-            &temp.path,
-            &format!(
-                "writing {} bytes at offset {file_offset}",
-                range_len(&parts)
-            ),
-        )?;
-        if opts.durable {
-            sys::start_writeback(&temp.file, file_offset, range_len(&parts) as u64);
-        }
-        Ok(())
-    })?;
+            Ok(())
+        })?;
     let mut crcs = crcs.into_iter().map(|c| c.into_inner().unwrap_or_default());
+    let mut hashes = hashes
+        .into_iter()
+        .map(|c| c.into_inner().unwrap_or_default());
     let checksums = layouts
         .iter()
         .enumerate()
@@ -237,7 +250,26 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 .take(first_chunk[f + 1] - first_chunk[f])
                 .flatten();
             let names = layout.tensors.iter().map(|t| t.name.clone()).collect();
-            checksum::fold(std::iter::once(header).chain(data), names)
+            let mut sums = checksum::fold(std::iter::once(header).chain(data), names);
+            let mut blocks: Vec<Vec<u128>> = layout
+                .tensors
+                .iter()
+                .map(|t| vec![0; content_hash::block_count(t.nbytes) as usize])
+                .collect();
+            for b in hashes
+                .by_ref()
+                .take(first_chunk[f + 1] - first_chunk[f])
+                .flatten()
+            {
+                blocks[b.tensor][b.block as usize] = b.hash;
+            }
+            sums.tensor_hashes = layout
+                .tensors
+                .iter()
+                .zip(&blocks)
+                .map(|(t, b)| content_hash::combine(b, t.nbytes))
+                .collect();
+            sums
         })
         .collect();
     if opts.durable {
@@ -264,6 +296,41 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
         chunk_buffer_bytes: buffer_bytes.into_inner(),
         checksums,
     })
+}
+
+/// The content hash of one block of a tensor, found by the chunk holding the block's first byte.
+#[derive(Debug)]
+struct BlockHash {
+    tensor: usize,
+    block: u64,
+    hash: u128,
+}
+
+/// Hash the blocks that start inside piece `p` (whose bytes, in the file's dtype, are `bytes`); a block that runs
+/// past the piece is read whole from the source (gathered into `scratch` when not contiguous).
+fn piece_blocks(
+    src: &crate::source::CheckedSource<'_>,
+    p: &crate::layout::Piece,
+    bytes: &[u8],
+    scratch: &mut Vec<u8>,
+) -> Vec<BlockHash> {
+    let (start, end) = (p.start, p.start + p.len as u64);
+    let block = content_hash::HASH_BLOCK;
+    (start.div_ceil(block)..end.div_ceil(block))
+        .map(|b| {
+            let (b0, b1) = (b * block, ((b + 1) * block).min(src.nbytes));
+            let hash = if b1 <= end {
+                content_hash::block_hash(&bytes[(b0 - start) as usize..(b1 - start) as usize])
+            } else {
+                content_hash::source_block(src, b, scratch)
+            };
+            BlockHash {
+                tensor: p.tensor,
+                block: b,
+                hash,
+            }
+        })
+        .collect()
 }
 
 fn range_len(parts: &[&[u8]]) -> usize {

@@ -41,6 +41,37 @@ pub fn checksum_files(
         .collect())
 }
 
+/// `([(tensor, hash)] | None, header_error | None)` of one file.
+type FileHashTuple = (Option<Vec<(String, String)>>, Option<String>);
+
+/// Each safetensors file's tensor content hashes from disk: `[(tensor, 32 hex digits)]` in offset order, or the
+/// header's error message; see `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (paths, *, threads = 0))]
+pub fn hash_files(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    threads: usize,
+) -> PyResult<Vec<FileHashTuple>> {
+    let files = py
+        .detach(|| fastckpt_core::content_hash::hash_files(&paths, threads))
+        .map_err(to_py)?;
+    Ok(files
+        .into_iter()
+        .map(|f| match f {
+            Ok(t) => (
+                Some(
+                    t.into_iter()
+                        .map(|(n, h)| (n, format!("{h:032x}")))
+                        .collect(),
+                ),
+                None,
+            ),
+            Err(e) => (None, Some(e.to_string())),
+        })
+        .collect())
+}
+
 /// The crc32c of `data` (any C-contiguous buffer) appended to `value` (0 to start).
 #[pyfunction]
 #[pyo3(signature = (data, value = 0))]

@@ -17,9 +17,9 @@ mod _core {
     #[pymodule_export]
     use super::commit::commit_dir;
     #[pymodule_export]
-    use super::integrity::{checksum_files, crc32c};
+    use super::integrity::{checksum_files, crc32c, hash_files};
     #[pymodule_export]
     use super::read::{parse_header, SafetensorsFile};
     #[pymodule_export]
-    use super::write::{serialize, write_file, write_files, write_files_checked};
+    use super::write::{hash_tensors, serialize, write_file, write_files, write_files_checked};
 }

@@ -24,6 +24,17 @@ type SourceTuple<'py> = (
     Option<Vec<i64>>,
 );
 
+/// The same with a seventh entry: the dtype name to convert to while writing (or None).
+type ConvertingTuple<'py> = (
+    String,
+    String,
+    Vec<i64>,
+    Bound<'py, PyAny>,
+    i64,
+    Option<Vec<i64>>,
+    Option<String>,
+);
+
 /// `(path, tensors, metadata)`: one file of `write_files`.
 type JobTuple<'py> = (PathBuf, Bound<'py, PyAny>, Option<Vec<(String, String)>>);
 
@@ -35,6 +46,7 @@ pub struct HeldSource {
     buffer: PyUntypedBuffer,
     byte_offset: u64,
     byte_strides: Option<Vec<u64>>,
+    convert_to: Option<Dtype>,
 }
 
 fn non_negative(values: &[i64], what: &str, name: &str) -> PyResult<Vec<u64>> {
@@ -52,8 +64,19 @@ fn non_negative(values: &[i64], what: &str, name: &str) -> PyResult<Vec<u64>> {
 impl HeldSource {
     /// Convert and check one source tuple (`file` names the file in messages).
     pub fn extract(obj: &Bound<'_, PyAny>, file: &str) -> PyResult<Self> {
-        let (name, dtype, shape, buf, offset, strides): SourceTuple<'_> = obj.extract()?;
+        let (name, dtype, shape, buf, offset, strides, convert) =
+            match obj.extract::<ConvertingTuple<'_>>() {
+                Ok(t) => t,
+                Err(_) => {
+                    let (n, d, s, b, o, st): SourceTuple<'_> = obj.extract()?;
+                    (n, d, s, b, o, st, None)
+                }
+            };
         let dtype = Dtype::parse_for(&dtype, &name, file).map_err(to_py)?;
+        let convert_to = convert
+            .map(|c| Dtype::parse_for(&c, &name, file))
+            .transpose()
+            .map_err(to_py)?;
         let shape = non_negative(&shape, "shape", &name)?;
         let byte_strides = strides
             .map(|s| non_negative(&s, "byte_strides", &name))
@@ -74,6 +97,7 @@ impl HeldSource {
             buffer,
             byte_offset,
             byte_strides,
+            convert_to,
         })
     }
 
@@ -94,6 +118,7 @@ impl HeldSource {
             data,
             byte_offset: self.byte_offset,
             byte_strides: self.byte_strides.clone(),
+            convert_to: self.convert_to,
         }
     }
 }
@@ -168,8 +193,9 @@ pub fn write_file(
     Ok(stats.file_sizes[0])
 }
 
-/// `(file_size, file_crc32c, [(tensor, crc32c)])` of one written file, tensors in file order.
-pub type FileDigest = (u64, u32, Vec<(String, u32)>);
+/// `(file_size, file_crc32c, [(tensor, crc32c)], [(tensor, xxh3-128 content hash as 32 hex digits)])` of one
+/// written file, tensors in file order.
+pub type FileDigest = (u64, u32, Vec<(String, u32)>, Vec<(String, String)>);
 
 /// Convert `jobs` with the GIL held, then write them all with it released.
 fn run_write_files(
@@ -230,8 +256,33 @@ pub fn write_files_checked(
     Ok(stats
         .checksums
         .into_iter()
-        .map(|c| (c.file_size, c.file_crc32c, c.tensors))
+        .map(|c| {
+            let hashes = c
+                .tensors
+                .iter()
+                .zip(&c.tensor_hashes)
+                .map(|((name, _), h)| (name.clone(), format!("{h:032x}")))
+                .collect();
+            (c.file_size, c.file_crc32c, c.tensors, hashes)
+        })
         .collect())
+}
+
+/// The content hashes (xxh3-128, 32 hex digits) of tensor sources in memory, as they would be written. See
+/// `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (tensors, *, threads = 0))]
+pub fn hash_tensors(
+    py: Python<'_>,
+    tensors: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<Vec<String>> {
+    let held = extract_sources(tensors, "<memory>")?;
+    let sources: Vec<TensorSource<'_>> = held.iter().map(HeldSource::source).collect();
+    let hashes = py
+        .detach(|| fastckpt_core::content_hash::hash_sources(&sources, threads))
+        .map_err(to_py)?;
+    Ok(hashes.into_iter().map(|h| format!("{h:032x}")).collect())
 }
 
 /// The bytes `write_file` would write, as a `bytes` object. See `_core.pyi`.

@@ -47,6 +47,7 @@ pub fn seeds() -> Vec<Vec<u8>> {
         data: &data,
         byte_offset: 0,
         byte_strides: None,
+        convert_to: None,
     };
     let meta = |pairs: &[(&str, &str)]| {
         Some(
