@@ -14,6 +14,7 @@ from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
     CheckpointError,
+    CollectiveTimeoutError,
     DtypeError,
     HeaderError,
     IntegrityError,
@@ -53,5 +54,6 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "CollectiveTimeoutError",
     "__version__",
 ]

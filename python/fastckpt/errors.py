@@ -24,6 +24,7 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -66,4 +67,12 @@ class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
     """A pickled file (accelerate's ``.bin`` / ``.pkl``) needs full unpickling, which can run arbitrary code.
 
     Raised unless the load passes ``trust_pickle=True``; the message names the file and the global it needs.
+    """
+
+
+class CollectiveTimeoutError(CheckpointError, TimeoutError):
+    """Another process of a multi-process save or load did not take part in time (it died, or never called the
+    same function): raised within the ``timeout`` passed to the call instead of waiting forever.
+
+    The message names the operation, the step it waited at, the processes that did not arrive and the seconds.
     """
