@@ -13,8 +13,9 @@ and each step's keys are ``fastckpt/{operation}/{step}/{rank}``, so every proces
 - :meth:`Session.on_main`: run a function on rank 0 only; its outcome, broadcast, is the barrier that ends a save.
 - :meth:`Session.agree`: if any rank failed, every rank raises before any object changes.
 
-While a rank works on something the others wait for (rank 0 writing the checkpoint), it bumps a heartbeat key, so a
-long write is waited for and a dead writer is noticed within ``timeout``. A rank that gives up marks the operation
+While a rank waits, or works on something the others wait for (rank 0 writing the checkpoint), it bumps its
+``alive`` key with the step it is at, so a long write is waited for, and a dead or absent process is noticed within
+``timeout`` by the process that waits for it. A rank that gives up marks the operation
 abandoned; the others (and a rank that arrives late) raise at once instead of waiting out their own timeout.
 :func:`timeout_group` gives a gloo group whose collectives time out too (for torch.distributed.checkpoint).
 
@@ -101,7 +102,6 @@ class Session:
             self.op = _operations
             self.store = dist.distributed_c10d._get_default_store()
             self._abandoned = f"fastckpt/{self.op}/abandoned"
-            self._heartbeat = f"fastckpt/{self.op}/heartbeat"
 
     # -- store primitives ------------------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
@@ -113,10 +113,24 @@ class Session:
             raise CheckpointError(f"{self.what}: lost the process group's store ({_describe(exc)}); "
                                   "another process probably died") from None
 
+    def _alive_key(self, rank: int) -> str:
+        return f"fastckpt/{self.op}/alive/{rank}"
+
+    def beat(self, count: int) -> None:
+        """Tell the others this process is alive and at its current step (see :meth:`_wait`)."""
+        self.store.set(self._alive_key(self.rank), f"{self._step} {count}")
+
     def _wait(self, keys: list[str], ranks: list[int], step: str) -> None:
-        """Wait until every key exists; raise CollectiveTimeoutError after ``timeout`` s without progress."""
+        """Wait until every key exists; raise CollectiveTimeoutError after ``timeout`` s without progress.
+
+        Progress: a process waited for that is alive and not past this step (it bumps its ``alive`` key while it
+        waits or works) extends the deadline, so only a process that died or never came makes the wait fail.
+        """
+        period = max(0.2, min(self.timeout / 10, 5.0))
         deadline = time.monotonic() + self.timeout
-        beat: bytes | None = None
+        seen: dict[int, bytes] = {}
+        next_beat = 0.0
+        beats = 0
         delay = 0.001
         while True:
             if self._call(lambda: self.store.check(keys)):
@@ -124,11 +138,21 @@ class Session:
             if self._call(lambda: self.store.check([self._abandoned])):
                 reason = self._call(lambda: self.store.get(self._abandoned)).decode()
                 raise CollectiveTimeoutError(f"{self.what}: given up ({reason})")
-            if self._call(lambda: self.store.check([self._heartbeat])):
-                now = self._call(lambda: self.store.get(self._heartbeat))
-                if now != beat:
-                    beat, deadline = now, time.monotonic() + self.timeout
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + period
+                beats += 1
+                self._call(lambda: self.beat(beats))
+                for r in ranks:
+                    key = self._alive_key(r)
+                    if not self._call(lambda key=key: self.store.check([key])):
+                        continue
+                    value = self._call(lambda key=key: self.store.get(key))
+                    if value != seen.get(r) and int(value.split()[0]) <= self._step:
+                        if r in seen:
+                            deadline = now + self.timeout
+                        seen[r] = value
+            if now > deadline:
                 missing = [r for r, k in zip(ranks, keys) if not self._call(lambda k=k: self.store.check([k]))]
                 reason = (f"process {self.rank} waited {self.timeout:g} s at step '{step}' for process(es) "
                           f"{missing}, which did not arrive (died, or did not call it with the same arguments)")
@@ -141,8 +165,9 @@ class Session:
     def abandon(self, reason: str) -> None:
         """Tell the other processes this operation is given up (they raise at their next wait)."""
         if self.active:
-            try:
-                self.store.set(self._abandoned, reason)
+            try:  # the first reason stays: it names the process that did not come
+                if self.store.add(self._abandoned + "/count", 1) == 1:
+                    self.store.set(self._abandoned, reason)
             except Exception:  # the store is gone too: the others find out by themselves
                 pass
 
@@ -234,7 +259,7 @@ class Session:
 
 
 class _Heartbeat:
-    """Bumps ``fastckpt/{operation}/heartbeat`` from a thread every ``timeout / 10`` s (at most every 0.2 s)."""
+    """Bumps this process's ``fastckpt/{operation}/alive/{rank}`` key from a thread while it works."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -243,12 +268,12 @@ class _Heartbeat:
 
     def _run(self) -> None:
         s = self.session
-        period = max(0.2, s.timeout / 10)
+        period = max(0.2, min(s.timeout / 10, 5.0))
         count = 0
         while not self._stop.is_set():
             count += 1
             try:
-                s.store.set(s._heartbeat, str(count))
+                s.beat(-count)
             except Exception:
                 return
             self._stop.wait(period)
