@@ -58,7 +58,7 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata) -> dict[str, Any]:
     if (folder / MANIFEST).is_file():
         read_manifest(folder)
     files: dict[str, Any] = {}
-    for (fqn, offsets), loc in parsed.chunks.items():
+    for (fqn, _offsets), loc in parsed.chunks.items():
         if loc.file not in files:
             path = folder / loc.file
             try:

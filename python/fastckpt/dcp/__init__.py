@@ -45,7 +45,9 @@ that differs from the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -68,6 +70,15 @@ def original_error(exc: CheckpointException) -> BaseException:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     wrapped = failures.get(rank, failures[min(failures)])
     return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+
+
+@contextlib.contextmanager
+def _single_process(no_dist: bool):
+    """Without a process group DCP warns that it assumes one process; that is what these helpers mean."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, threads: int = 0,
@@ -93,8 +104,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     writer = writer if writer is not None else StorageWriter(path, threads=threads, durable=durable, commit=commit)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
-        return _dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                         no_dist=no_dist)
+        with _single_process(no_dist):
+            return _dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                             no_dist=no_dist)
     except CheckpointException as exc:
         writer.abort()
         raise original_error(exc) from exc
@@ -115,7 +127,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     reader = StorageReader(path, threads=threads)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
-        _dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+        with _single_process(no_dist):
+            _dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                      no_dist=no_dist)
     except CheckpointException as exc:
         error = original_error(exc)
         if reader.metadata_error is not None and isinstance(error, AssertionError):
