@@ -50,11 +50,14 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata) -> dict[str, Any]:
         ``{file name: _core.SafetensorsFile}``.
 
     Raises:
-        MissingStateError: a file the metadata names is missing (names it).
+        MissingStateError: a file the metadata names is missing (names it; checked first).
         HeaderError: a file's header is malformed, or a chunk is absent from it, or has another dtype or shape
             than the metadata records (names the file, the tensor and both values).
         IntegrityError: a file has another size than the manifest records (when the folder has one).
     """
+    for (fqn, _offsets), loc in parsed.chunks.items():
+        if not (folder / loc.file).exists():
+            raise MissingStateError(f"{folder / loc.file}: holds chunks of {fqn!r} per {METADATA_FILE} but is missing")
     if (folder / MANIFEST).is_file():
         read_manifest(folder)
     files: dict[str, Any] = {}
