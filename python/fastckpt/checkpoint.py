@@ -23,9 +23,9 @@ from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
+from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
-from fastckpt._plan.save import build_save_plan
 from fastckpt._state.sharded import is_sharded
 
 __all__ = ["save_state", "load_state", "LoadResult"]

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
+from helpers.fsdp_models import build, full_state, optimizer_for, reference, same, train_step
 
 import fastckpt
-from helpers.fsdp_models import build, full_state, optimizer_for, reference, same, train_step
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_fsdp_worker.py"
 KINDS = ("gpt2", "tiny")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.fsdp_models import build, full_state, optimizer_for, reference, same
 
 import fastckpt
 from fastckpt._io.staging import leftovers
-from helpers.fsdp_models import build, full_state, optimizer_for, reference, same
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_fsdp_crash.py"
 

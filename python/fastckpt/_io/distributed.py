@@ -142,7 +142,7 @@ class Session:
             if now >= next_beat:
                 next_beat = now + period
                 beats += 1
-                self._call(lambda: self.beat(beats))
+                self._call(lambda beats=beats: self.beat(beats))
                 for r in ranks:
                     key = self._alive_key(r)
                     if not self._call(lambda key=key: self.store.check([key])):

@@ -97,8 +97,11 @@ def _read_json(folder: Path, name: str, what: str) -> Any:
 
 def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                       strict: bool, session: Session, reader_factory: ReaderFactory,
-                      rng_rank: int | None) -> ShardedLoad:
+                      rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None) -> ShardedLoad:
     """Phase 1 on this rank (see the module docs): validate and read; nothing live changes.
+
+    ``extra(load)``: reads and validates more state into ``load.objects`` (``fastckpt.accelerate``'s tracked
+    objects), before any rank reads the shards.
 
     Raises:
         MissingStateError: a part asked for is absent (a full load of a model-only checkpoint names them).
@@ -109,6 +112,8 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
     try:
         found = _validate(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                           reader_factory=reader_factory, rng_rank=rng_rank)
+        if extra is not None and not model_only:
+            extra(found[0])
     except Exception as exc:  # every rank learns of it before DCP's collectives start
         error = exc
     session.agree(error, step="validate")
