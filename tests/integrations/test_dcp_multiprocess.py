@@ -114,3 +114,19 @@ def test_dtype_mismatch_raises_on_every_rank_and_changes_nothing(run):
         assert "'w' is stored as torch.float32" in res["D_error"] and "torch.float64" in res["D_error"], rank
         assert res["D_changed"] == [] and res["D_values"] == [None, None], rank
 
+
+
+def test_consolidating_the_two_rank_save_equals_the_single_process_one(run, tmp_path):
+    from fastckpt.cli import main
+
+    out, _, _ = run
+    fastckpt.dcp.save(full_state(), tmp_path / "single")
+    assert main(["consolidate", str(out / "A"), str(tmp_path / "from_ranks")]) == 0
+    assert main(["consolidate", str(tmp_path / "single"), str(tmp_path / "from_single")]) == 0
+    views = []
+    for folder in ("from_ranks", "from_single"):
+        with safe_open(tmp_path / folder / "model.safetensors", "pt") as f:
+            views.append(({k: f.get_tensor(k) for k in f.keys()}, f.metadata()))
+    assert same(views[0], views[1])
+    assert (tmp_path / "from_ranks" / "model.safetensors").read_bytes() == \
+        (tmp_path / "from_single" / "model.safetensors").read_bytes()

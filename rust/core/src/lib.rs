@@ -8,9 +8,11 @@
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
 //! - [`commit`]: put a staging folder in place atomically.
 //! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
+//! - [`assemble`]: a file assembled from byte ranges of other files (consolidating sharded checkpoints).
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod assemble;
 pub mod checksum;
 pub mod commit;
 pub mod dtype;
@@ -26,6 +28,7 @@ pub mod writer;
 /// Default bytes per positional write or read: 8 MiB.
 pub const DEFAULT_CHUNK_BYTES: u64 = 8 << 20;
 
+pub use assemble::{write_assembled, AssembledTensor, CopyRange};
 pub use checksum::{checksum_files, FileCheck, FileChecksums};
 pub use commit::commit_dir;
 pub use dtype::Dtype;
