@@ -50,14 +50,15 @@ class FullOptimizer:
     """A live optimizer's ``param_groups`` with its gathered full state (what ``optimizer_payload`` reads)."""
 
     def __init__(self, live: Any, state_dict: dict[str, Any], fqns: dict[int, str]) -> None:
-        self.optimizer = live if isinstance(live, torch.optim.Optimizer) else getattr(live, "optimizer", live)
+        inner = getattr(live, "optimizer", None)  # accelerate's AcceleratedOptimizer wraps the torch one
+        self.optimizer = inner if isinstance(inner, torch.optim.Optimizer) else live
         self.param_groups = live.param_groups
         flat = [fqns[id(p)] for g in live.param_groups for p in g["params"]]
         index = {fqn: i for i, fqn in enumerate(flat)}
-        self._state = {"state": {index[f]: s for f, s in state_dict["state"].items()},
+        self._state = {"state": {index[f]: s for f, s in state_dict.get("state", {}).items()},
                        "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                                          "params": [index[f] for f in g["params"]]}
-                                        for g in state_dict["param_groups"]]}
+                                        for g in state_dict.get("param_groups", [])]}  # {} off the main process
 
     def state_dict(self) -> dict[str, Any]:
         return self._state
