@@ -282,18 +282,19 @@ def load_state(
 
 
 # -- sharded (DTensor / FSDP2) states: torch.distributed.checkpoint through the storage plugin --------------------
-def dcp_storage_writer(folder: Path, durable: bool) -> Any:
-    """The DCP ``StorageWriter`` a sharded save writes its shards with, into ``folder`` (the staging folder)."""
-    import torch.distributed.checkpoint as dcp
+def dcp_storage_writer(folder: Path, durable: bool, threads: int) -> Any:
+    """The DCP ``StorageWriter`` a sharded save writes one part with, into ``folder`` inside the staging folder
+    (fastckpt.dcp, ``commit=False``: the save commits the whole checkpoint once)."""
+    import fastckpt.dcp
 
-    return dcp.FileSystemWriter(str(folder), sync_files=durable, thread_count=1)
+    return fastckpt.dcp.StorageWriter(folder, threads=threads, durable=durable, commit=False)
 
 
 def dcp_storage_reader(folder: Path) -> Any:
-    """The DCP ``StorageReader`` a sharded load reads the shards with."""
-    import torch.distributed.checkpoint as dcp
+    """The DCP ``StorageReader`` a sharded load reads one part with."""
+    import fastckpt.dcp
 
-    return dcp.FileSystemReader(str(folder))
+    return fastckpt.dcp.StorageReader(folder)
 
 
 def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastckpt  # noqa: E402
+import fastckpt.dcp  # noqa: E402
 from helpers.fsdp_models import build, optimizer_for, shard, train_step  # noqa: E402
 
 OUT = Path(sys.argv[1])
@@ -41,7 +41,7 @@ def main() -> None:
         def die(self, plan, planner):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        dcp.FileSystemWriter.write_data = die
+        fastckpt.dcp.StorageWriter.write_data = die
     try:
         fastckpt.save_state(model, opt, sched, output_dir=OUT / "ckpt", step=2, timeout=5)
     except Exception as exc:

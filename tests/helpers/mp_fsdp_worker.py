@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -110,9 +111,7 @@ def scenario_failures(rank: int, world: int) -> None:
     src = OUT / "w2_tiny"
     bad = OUT / f"w{world}_tiny_bad_rng"
     if rank == 0:  # a copy whose random_states_1 is damaged (only rank 1 reads it)
-        bad.mkdir()
-        for p in src.iterdir():
-            os.link(p, bad / p.name)
+        shutil.copytree(src, bad, copy_function=os.link)  # hard links: the source files are never modified
         name = bad / "random_states_1.safetensors"
         data = bytearray(name.read_bytes())
         name.unlink()

@@ -76,14 +76,22 @@ def test_sharded_folder_layout(runs, kind):
             "random_states_1.safetensors"} <= names
     manifest = json.loads((folder / "fastckpt.json").read_text())
     assert manifest["mode"] == "full" and manifest["processes"] == 2 and manifest["step"] == 3
-    assert manifest["sharded"]["storage"] == "dcp" and manifest["sharded"]["world_size"] == 2
-    assert set(manifest["files"]) == names - {"fastckpt.json"}
+    assert manifest["sharded"]["storage"] == "fastckpt.dcp" and manifest["sharded"]["world_size"] == 2
+    assert manifest["sharded"]["parts"] == ["model", "optimizer"]
+    assert set(manifest["files"]) == names - {"fastckpt.json", "model", "optimizer"}
+    # each part is a fastckpt.dcp folder: one safetensors file per rank + the JSON metadata, listed with sizes
+    for part in ("model", "optimizer"):
+        listed = {n.split("/", 1)[1] for n in manifest["sharded"]["files"] if n.startswith(part + "/")}
+        assert listed == {p.name for p in (folder / part).iterdir()}
+        assert {"shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"} <= listed
+    stored = set(st.load_file(folder / "model" / "shard-00000-of-00002.safetensors"))
+    assert not any(k.startswith("model.") for k in stored)  # the model part is keyed by fqn
     if kind == "gpt2":  # the tie is found per parameter and stored once
         assert manifest["sharded"]["aliases"] == [{"lm_head.weight": "transformer.wte.weight"}]
         assert "config.json" in names
     weights = out / f"w2_{kind}_weights"
     wnames = {p.name for p in weights.iterdir()}
-    assert not wnames & {"optimizer.json", "scheduler.json", "random_states_0.safetensors"}
+    assert not wnames & {"optimizer", "optimizer.json", "scheduler.json", "random_states_0.safetensors"}
     assert json.loads((weights / "fastckpt.json").read_text())["mode"] == "model_only"
     for rank in (0, 1):  # each rank's own streams (seeded 100 + rank before the save)
         assert torch.equal(st.load_file(folder / f"random_states_{rank}.safetensors")["torch"],

@@ -29,7 +29,7 @@ from fastckpt.errors import MissingStateError
 
 __all__ = ["is_sharded_checkpoint", "plan_sharded_load", "ShardedLoad", "ReaderFactory"]
 
-#: ``reader_factory(folder)`` -> a DCP ``StorageReader`` over ``folder``
+#: ``reader_factory(folder)`` -> a DCP ``StorageReader`` over one part folder (``model/``, ``optimizer/``, ...)
 ReaderFactory = Callable[[Path], Any]
 
 
@@ -77,13 +77,19 @@ class ShardedLoad:
 
 def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    if session.active:
-        dcp.load(dest, storage_reader=reader, process_group=timeout_group(session.timeout))
-    else:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(dest, storage_reader=reader, no_dist=True)
+    from fastckpt._plan.sharded_save import original_error
+
+    try:
+        if session.active:
+            dcp.load(dest, storage_reader=reader, process_group=timeout_group(session.timeout))
+        else:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(dest, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:
+        raise original_error(exc) from exc
 
 
 def _read_json(folder: Path, name: str, what: str) -> Any:
@@ -117,9 +123,10 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
     except Exception as exc:  # every rank learns of it before DCP's collectives start
         error = exc
     session.agree(error, step="validate")
-    load, dest, reader, served, saved_optimizers = found
+    load, dest, readers, served, saved_optimizers = found
     try:
-        _dcp_load(dest, reader, session)
+        for sub, state in dest.items():
+            _dcp_load(state, readers[sub], session)
     except Exception as exc:
         error = exc
     session.agree(error, step="read")
@@ -141,17 +148,24 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
             raise MissingStateError(f"{folder}: {len(objs)} {kind} passed but the checkpoint holds "
                                     f"{manifest.get(kind, 0)}. Nothing was changed.")
     sharded = manifest["sharded"]
+    _check_part_files(folder, sharded)
     aliases = sharded.get("aliases", [])
-    reader = reader_factory(folder)
-    metadata = reader.read_metadata().state_dict_metadata
     load = ShardedLoad(strict=strict)
-    dest: dict[str, torch.Tensor] = {}
+    dest: dict[str, dict[str, torch.Tensor]] = {}
+    readers: dict[str, Any] = {}
     served: list[dict[str, str]] = []
+
+    def part(sub: str) -> dict[str, Any]:
+        if not (folder / sub).is_dir():
+            raise MissingStateError(f"{folder}: the load needs the sharded part {sub}/, which is absent")
+        readers[sub] = reader_factory(folder / sub)
+        return readers[sub].read_metadata().state_dict_metadata
+
     for i, m in enumerate(models):
-        prefix = part_name("model", i, "") + "."
-        d, s, missing, unexpected = model_destination(m, prefix, metadata, aliases[i] if i < len(aliases) else {},
-                                                      strict=strict, where=f"{folder} (model {i})")
-        dest.update(d)
+        sub = part_name("model", i, "")
+        d, s, missing, unexpected = model_destination(m, "", part(sub), aliases[i] if i < len(aliases) else {},
+                                                      strict=strict, where=f"{folder / sub}")
+        dest[sub] = d
         served.append(s)
         label = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [label + k for k in missing]
@@ -161,9 +175,9 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
         base = part_name("optimizer", j, "")
         saved = _read_json(folder, base + ".json", f"optimizer {j}")
         owner = owner_model(opt, models, base)
-        d, info = optimizer_destination(owner, opt, base, saved, metadata, strict=strict,
+        d, info = optimizer_destination(owner, opt, base, saved, part(base), strict=strict,
                                         where=f"{folder / (base + '.json')}")
-        dest.update(d)
+        dest[base] = d
         saved_optimizers.append((owner, opt, base, info))
     for k, sched in enumerate(schedulers):
         name = part_name("scheduler", k, ".json")
@@ -177,24 +191,45 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
         else:
             warnings.warn(f"{folder}: holds no {name} (saved by {manifest.get('processes')} processes); process "
                           f"{rng_rank} keeps its RNG states", RngRestoreWarning, stacklevel=5)
-    return load, dest, reader, served, saved_optimizers
+    return load, dest, readers, served, saved_optimizers
 
 
-def _assemble(load: ShardedLoad, dest: dict[str, torch.Tensor], models: list, served: list,
+def _assemble(load: ShardedLoad, dest: dict[str, dict[str, torch.Tensor]], models: list, served: list,
               saved_optimizers: list) -> ShardedLoad:
     for i, m in enumerate(models):
-        prefix = part_name("model", i, "") + "."
-        state = {k[len(prefix):]: v for k, v in dest.items() if k.startswith(prefix)}
+        state = dict(dest[part_name("model", i, "")])
         for name, source in served[i].items():
             state[name] = state[source]
         load.models.append((m, state))
     for owner, opt, base, info in saved_optimizers:
+        tensors = dest[base]
         state: dict[str, dict[str, Any]] = {}
         live_fqns = {f for g in info["param_groups"] for f in g["params"]}
         for fqn, names in info["state_names"].items():
             if fqn in live_fqns:
-                state[fqn] = {n: dest[f"{base}.state.{fqn}.{n}"] for n in names if f"{base}.state.{fqn}.{n}" in dest}
+                state[fqn] = {n: tensors[f"state.{fqn}.{n}"] for n in names if f"state.{fqn}.{n}" in tensors}
         for fqn, extra in info["extra_state"].items():
             state.setdefault(fqn, {}).update(extra)
         load.optimizers.append((owner, opt, {"state": state, "param_groups": info["param_groups"]}))
     return load
+
+
+def _check_part_files(folder: Path, sharded: dict[str, Any]) -> None:
+    """Every shard file the manifest lists is there with its recorded size (IntegrityError / MissingStateError)."""
+    from fastckpt.errors import HeaderError, IntegrityError
+
+    files = sharded.get("files", {})
+    if not isinstance(files, dict):
+        raise HeaderError(f"{folder}: the manifest's sharded 'files' must be an object")
+    for name, info in files.items():
+        parts = name.split("/")
+        if len(parts) != 2 or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+            raise HeaderError(f"{folder}: sharded file name {name!r} points outside its part folder")
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise MissingStateError(f"{path}: listed in the manifest but missing") from None
+        if not isinstance(info, dict) or size != info.get("bytes"):
+            raise IntegrityError(f"{path}: {size} bytes on disk, {info.get('bytes') if isinstance(info, dict) else info}"
+                                 " recorded in the manifest")

@@ -8,8 +8,11 @@ Session` step, so a process that died or never called it makes the others raise 
 2. ``staging``: the main process removes dead saves' leftovers and makes a staging folder beside the target (owned
    through a ``flock``ed lock file, see :mod:`fastckpt._io.staging`); its path goes to every rank.
 3. ``state``: every rank takes its sharded state (see :mod:`fastckpt._state.sharded`); a rank that cannot stops all.
-4. DCP ``save`` into the staging folder, on a gloo group whose collectives time out (DCP's own planning: each
-   replicated tensor is written once, each shard by its owner).
+4. DCP ``save`` of each part into its subfolder of the staging folder (``model/``, ``model_1/``, ``optimizer/``,
+   ...; fastckpt.dcp's ``StorageWriter(commit=False)``: safetensors shards + ``dcp_metadata.json``), on a gloo
+   group whose collectives time out (DCP's own planning: each replicated tensor is written once, each shard by its
+   owner). Model parts hold the fqns as keys (``fastckpt consolidate`` reads ``model/``); optimizer parts hold
+   ``state.{fqn}.{name}``.
 5. ``written``: every rank's outcome and RNG states to the main process, which writes the scheduler and optimizer
    JSON, ``config.json``, one ``random_states_{rank}.safetensors`` per rank and the manifest (``"sharded"`` says
    how to read it), fsyncs the folder and commits it in one step (``_core.commit_dir``).
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -46,10 +48,20 @@ from fastckpt._state.sharded import model_tensors, optimizer_tensors, owner_mode
 
 __all__ = ["save_sharded", "SHARDED_STORAGE", "WriterFactory"]
 
-#: the manifest's ``"sharded"`` entry: the tensors are a DCP checkpoint in the folder itself
-SHARDED_STORAGE = "dcp"
-#: ``writer_factory(folder, durable)`` -> a DCP ``StorageWriter`` that writes into ``folder`` (already created)
-WriterFactory = Callable[[Path, bool], Any]
+#: the manifest's ``"sharded"`` entry: each part's tensors are a fastckpt.dcp folder inside the checkpoint
+SHARDED_STORAGE = "fastckpt.dcp"
+#: ``writer_factory(folder, durable, threads)`` -> a DCP ``StorageWriter`` that writes into ``folder`` without
+#: committing it; after the save, its ``files`` (on the coordinator) are ``{name: manifest entry}``
+WriterFactory = Callable[[Path, bool, int], Any]
+
+
+def parts_of(folder: Path) -> set[str]:
+    """The DCP part subfolders a sharded checkpoint's manifest names (never carried over as user files)."""
+    try:
+        sharded = json.loads((folder / MANIFEST).read_text()).get("sharded", {})
+        return {str(p) for p in sharded.get("parts", [])}
+    except (OSError, ValueError, AttributeError):
+        return set()
 
 
 def _carry_user_files(target: Path, staging: Path) -> None:
@@ -63,8 +75,7 @@ def _carry_user_files(target: Path, staging: Path) -> None:
     except FileNotFoundError:
         return
     for entry in entries:
-        if entry.name in listed or (staging / entry.name).exists() or re.match(r"^(__\d+_\d+\.distcp|\.metadata)$",
-                                                                                 entry.name):
+        if entry.name in listed or (staging / entry.name).exists() or entry.name in parts_of(target):
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():
@@ -75,17 +86,38 @@ def _carry_user_files(target: Path, staging: Path) -> None:
             continue
 
 
-def _dcp_save(flat: dict[str, torch.Tensor], folder: Path, writer_factory: WriterFactory, durable: bool,
-              session: Session) -> None:
-    import torch.distributed.checkpoint as dcp
+def original_error(exc: BaseException) -> BaseException:
+    """The exception a rank raised inside DCP (DCP wraps it in a ``CheckpointException``, a BaseException)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    import torch.distributed as dist
 
-    writer = writer_factory(folder, durable)
-    if session.active:
-        dcp.save(flat, storage_writer=writer, process_group=timeout_group(session.timeout))
-    else:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(flat, storage_writer=writer, no_dist=True)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    wrapped = failures.get(rank, failures[min(failures)])
+    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+
+
+def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], staging: Path, writer_factory: WriterFactory,
+              durable: bool, threads: int, session: Session) -> dict[str, Any]:
+    """DCP-save every part into ``staging/{part}``; returns the written files (coordinator) as ``part/name``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    files: dict[str, Any] = {}
+    for sub, state in parts.items():
+        writer = writer_factory(staging / sub, durable, threads)
+        try:
+            if session.active:
+                dcp.save(state, storage_writer=writer, process_group=timeout_group(session.timeout))
+            else:
+                with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.save(state, storage_writer=writer, no_dist=True)
+        except CheckpointException as exc:
+            raise original_error(exc) from exc
+        files.update({f"{sub}/{name}": entry for name, entry in (getattr(writer, "files", None) or {}).items()})
+    return files
 
 
 def _small_files(models: list, optimizer_texts: list[str], schedulers: list, *, model_only: bool) -> dict[str, str]:
@@ -178,27 +210,28 @@ def save_sharded(
             raise _other(session, staging_name[1])
         staging = target.parent / staging_name[0]
 
-        flat: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[str, torch.Tensor]] = {}
         aliases: list[dict[str, str]] = []
         optimizer_texts: list[str] = []
         try:
             for i, m in enumerate(models):
-                tensors, ties = model_tensors(m, part_name("model", i, "") + ".")
-                flat.update(tensors)
+                tensors, ties = model_tensors(m, "")
+                parts[part_name("model", i, "")] = tensors
                 aliases.append(ties)
             for j, opt in enumerate(optimizers):
                 base = part_name("optimizer", j, "")
                 tensors, text = optimizer_tensors(owner_model(opt, models, base), opt, base)
-                flat.update(tensors)
+                parts[base] = tensors
                 optimizer_texts.append(text)
             texts = _small_files(models, optimizer_texts, schedulers, model_only=model_only) if session.rank == 0 else {}
         except Exception as exc:
             error = exc
         session.agree(error, step="state")
 
+        dcp_files: dict[str, Any] = {}
         try:
             with session.working():
-                _dcp_save(flat, staging, writer_factory, durable, session)
+                dcp_files = _dcp_save(parts, staging, writer_factory, durable, threads, session)
         except Exception as exc:
             error = exc
         rng = None
@@ -226,7 +259,8 @@ def save_sharded(
                             plan.counts["processes"] = len(reports)
                         if add_files is not None:
                             add_files(plan)
-                        sharded = {"storage": SHARDED_STORAGE, "world_size": session.world, "aliases": aliases}
+                        sharded = {"storage": SHARDED_STORAGE, "world_size": session.world, "aliases": aliases,
+                                   "parts": list(parts), "files": dcp_files}
                         _commit(staging, target, plan, sharded, durable=durable, threads=threads)
                 except Exception as exc:
                     error = exc

@@ -7,7 +7,7 @@ since FSDP2's padded shards make pointers differ from rank to rank. Only the fir
 others are recorded as ``{dropped: kept}``.
 
 An optimizer's state comes from ``get_optimizer_state_dict`` (keyed by fqn): every tensor (moments, ``step``) goes to
-DCP as ``{base}.state.{fqn}.{name}``; ``param_groups`` (params as fqns), the state names and non-tensor state go to
+its own DCP part (``optimizer/``) as ``state.{fqn}.{name}``; ``param_groups`` (params as fqns), the state names and non-tensor state go to
 ``{base}.json`` (the pickle-free codec), written once by the main process.
 
 On load, :func:`model_destination` / :func:`optimizer_destination` build empty tensors shaped like the live ones
@@ -95,7 +95,7 @@ def owner_model(optimizer: Any, models: list[torch.nn.Module], label: str) -> to
 
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: Any, base: str) -> tuple[dict[str, torch.Tensor], str]:
-    """``({base.state.fqn.name: tensor}, json text)`` of one optimizer (see the module docs).
+    """``({state.fqn.name: tensor}, json text)`` of one optimizer (see the module docs).
 
     Raises:
         TypeError: non-tensor state that cannot be stored without pickle (names its path).
@@ -114,7 +114,7 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: Any, base: str) -> tupl
     for fqn, state in sd["state"].items():
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{base}.state.{fqn}.{name}"] = value
+                tensors[f"state.{fqn}.{name}"] = value
                 names.setdefault(fqn, []).append(name)
             else:
                 extra.setdefault(fqn, {})[name] = encode(value, path=f"{base}.state[{fqn!r}][{name!r}]")
@@ -211,9 +211,9 @@ def optimizer_destination(model: torch.nn.Module, optimizer: Any, base: str, sav
         if fqn not in live:
             continue
         for name in names:
-            key = f"{base}.state.{fqn}.{name}"
+            key = f"state.{fqn}.{name}"
             if key not in metadata:
-                raise KeyMismatchError(f"{where}: {key} is recorded in {base}.json but absent from the DCP metadata")
+                raise KeyMismatchError(f"{where}: {key} is recorded in {base}.json but absent from {base}/")
             md = metadata[key]
             param = live[fqn]
             if tuple(md.size) == tuple(param.shape):
