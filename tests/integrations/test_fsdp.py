@@ -163,3 +163,14 @@ def test_a_rank_that_never_calls_makes_the_others_raise(runs, world):
         assert "waited 3 s at step 'arrive' for process(es) [1]" in res["timeout"]["message"], rank
         assert res["timeout_nothing_written"] is True and res["timeout_then_saved"] is True, rank
     assert "given up before this process arrived" in results[world][1]["timeout"]["message"]
+
+
+def test_consolidate_gives_a_hugging_face_folder(runs, one_thread, tmp_path):
+    out, _ = runs
+    from transformers import GPT2LMHeadModel
+
+    proc = subprocess.run([sys.executable, "-m", "fastckpt", "consolidate", str(out / "w2_gpt2"), str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert same(full_state(model, None), full_state(reference("gpt2", 3)[0], None))
