@@ -110,12 +110,15 @@ class StorageWriter(_DCPStorageWriter):
             self.path = Path(checkpoint_id)
         self.abort()
         self.files = {}
-        self._save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset() only when dcp.save gets a checkpoint_id: start every save from a clean slate here
+        self.abort()
+        self.files = {}
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta | None:
+        self._save_id = uuid.uuid4().hex  # DCP asks once per save, first thing
         return StorageMeta(checkpoint_id=str(self.path), save_id=self._save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
