@@ -117,3 +117,37 @@ def test_exit_statuses(gpt2_checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no tensors under 'optim'" in err and "HeaderError" in err and "dcp_metadata.json" in err
     assert not (tmp_path / "o").exists()
+
+
+CONSOLIDATE_SCRIPT = """
+import json, sys
+from fastckpt.cli import main
+import fastckpt._io.dcp_consolidate, fastckpt.cli.consolidate, tqdm  # imported before the measurement
+
+def hwm_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+before = hwm_kib()
+status = main(["consolidate", sys.argv[1], sys.argv[2], "--threads", "4"])
+print(json.dumps({"status": status, "before_kib": before, "after_kib": hwm_kib()}))
+"""
+
+
+@pytest.mark.slow
+def test_consolidate_streams_with_a_few_chunk_buffers(tmp_path):
+    import subprocess
+    import sys
+
+    save = ("import sys, torch, fastckpt.dcp; fastckpt.dcp.save({'a': torch.ones(8192, 4096), "
+            "'b': torch.full((4096, 8192), 2.0)}, sys.argv[1])")  # 256 MiB in two tensors
+    subprocess.run([sys.executable, "-W", "ignore", "-c", save, str(tmp_path / "c")], check=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", CONSOLIDATE_SCRIPT, str(tmp_path / "c"), str(tmp_path / "hf")],
+                         capture_output=True, text=True, check=True, timeout=300)
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    extra_mib = (rss["after_kib"] - rss["before_kib"]) / 1024
+    assert rss["status"] == 0
+    # 4 threads x 8 MiB copy buffers + interpreter noise; the state is 256 MiB.
+    assert extra_mib < 64, f"peak resident memory grew by {extra_mib:.1f} MiB while consolidating 256 MiB"
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 256 * 2**20
