@@ -18,6 +18,7 @@ DCP metadata first: nothing live is touched, and the optimizer is not even initi
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import torch
@@ -32,15 +33,12 @@ __all__ = ["is_sharded", "tied_names", "model_tensors", "optimizer_tensors", "mo
 OPTIMIZER_FORMAT = "fastckpt.sharded_optimizer"
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def is_sharded(models: list[torch.nn.Module]) -> bool:
     """Whether any parameter or buffer of ``models`` is a DTensor (FSDP2 ``fully_shard``, tensor parallel)."""
-    return any(_is_dtensor(t) for m in models for t in (*m.parameters(), *m.buffers()))
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (and none is imported)
+    if module is None:
+        return False
+    return any(isinstance(t, module.DTensor) for m in models for t in (*m.parameters(), *m.buffers()))
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:
