@@ -8,7 +8,8 @@ MODE ``save`` (2 ranks):
   B / C: ``dcp.async_save`` with the thread / the process checkpointer -> ``OUT/B``, ``OUT/C``; reload.
   F: ``OUT/F`` holds seed 1; re-saves of seed 2 that fail on rank 1 (an I/O error after its file is written, a
      value that needs pickle, the same I/O error under raw ``dcp.save``) raise on both ranks and leave seed 1.
-  D: loading ``OUT/A`` into a float64 ``w`` raises DtypeError on both ranks; nothing of the template changes.
+  D: loading ``OUT/A`` into a float64 ``w`` raises DtypeError on both ranks; nothing of the template changes; the
+     same when only rank 1's template is wrong (fastckpt.dcp.LoadPlanner checks while planning).
 MODE ``load`` (any world size): ``OUT/A`` into DTensors along dim 0 and along dim 1.
 """
 
@@ -97,6 +98,13 @@ def dtype_mismatch(mesh) -> None:
         (v.to_local() if hasattr(v, "to_local") else v).reshape(-1).view(torch.uint8),
         (before[k].to_local() if hasattr(before[k], "to_local") else before[k]).reshape(-1).view(torch.uint8))]
     checks["D_values"] = [target["step"], target["extra"]["name"]]
+    # only rank 1's template is wrong: planning fails on rank 1, so rank 0 raises too and reads nothing
+    target = as_dtensors(template(state), mesh, 1, zero=True)
+    if dist.get_rank() == 1:
+        target["f16"] = torch.zeros(3, 3)
+    checks["D1_error"] = error_of(lambda: fastckpt.dcp.load(target, OUT / "A"))
+    checks["D1_changed"] = [k for k, v in target.items() if isinstance(v, torch.Tensor)
+                            and (v.to_local() if hasattr(v, "to_local") else v).reshape(-1).view(torch.uint8).any()]
 
 
 def main() -> None:

@@ -113,6 +113,8 @@ def test_dtype_mismatch_raises_on_every_rank_and_changes_nothing(run):
         assert res["D_error"].startswith("DtypeError: "), rank
         assert "'w' is stored as torch.float32" in res["D_error"] and "torch.float64" in res["D_error"], rank
         assert res["D_changed"] == [] and res["D_values"] == [None, None], rank
+        assert res["D1_error"].startswith("DtypeError: 'f16' is stored as torch.float16"), rank
+        assert res["D1_changed"] == [], rank  # rank 0's template was right, and it still read nothing
 
 
 

@@ -16,6 +16,10 @@ folder of a failed save at once::
     fastckpt.dcp.save(state_dict, "ckpt/step_100", process_group=None)   # -> DCP's Metadata
     fastckpt.dcp.load(state_dict, "ckpt/step_100")                       # fills state_dict in place
 
+``fastckpt.dcp.load`` plans with :class:`LoadPlanner` (DCP's default planner plus a dtype check while planning, so
+a mismatch on any rank raises on every rank before any rank reads); pass ``planner=fastckpt.dcp.LoadPlanner()`` to
+``dcp.load`` for the same.
+
 A folder holds ``shard-{rank:05d}-of-{world:05d}.safetensors`` (each rank's chunks; tied weights stored once),
 ``dcp_metadata.json`` (DCP's global metadata as JSON: dtypes, sizes, chunk boxes, where each chunk lives, the
 non-tensor values; see :mod:`fastckpt._format.dcp_metadata`) and ``fastckpt.json`` (the manifest: sizes and
@@ -56,10 +60,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
+from fastckpt.dcp.planner import LoadPlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
 
-__all__ = ["StorageWriter", "StorageReader", "save", "load", "METADATA_FILE", "shard_file_name", "original_error"]
+__all__ = ["StorageWriter", "StorageReader", "LoadPlanner", "save", "load", "METADATA_FILE", "shard_file_name", "original_error"]
 
 
 def original_error(exc: CheckpointException) -> BaseException:
@@ -120,6 +125,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     """``dcp.load(state_dict, storage_reader=StorageReader(path, ...))``, raising the original error on every rank.
 
     Fills ``state_dict`` in place (tensors, DTensors of any placement, plain values), resharding as needed.
+    ``planner`` defaults to :class:`LoadPlanner`, which checks dtypes while planning: a mismatch on any rank
+    raises on every rank before anything is read.
 
     Raises:
         HeaderError, MissingStateError, DtypeError, IntegrityError, ...: what the failing rank raised.
@@ -128,8 +135,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):
-            _dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                      no_dist=no_dist)
+            _dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else LoadPlanner(),
+                      process_group=process_group, no_dist=no_dist)
     except CheckpointException as exc:
         error = original_error(exc)
         if reader.metadata_error is not None and isinstance(error, AssertionError):
