@@ -130,11 +130,16 @@ def _hostile(saved: Path, kind: str) -> bytes:
         doc["state_dict"]["step"] = {"pickle": "gASVAAAA"}
     elif kind == "duplicate chunk":
         doc["state_dict"]["w"]["tensor"]["chunks"].append(dict(chunk))
+    elif kind == "hole":
+        chunk["sizes"] = [3, 5]
+    elif kind == "overlap":
+        chunk["sizes"] = [4, 5]
+        doc["state_dict"]["w"]["tensor"]["chunks"].append(dict(chunk, offsets=[2, 0], sizes=[3, 5], name="w2"))
     return json.dumps(doc).encode()
 
 
 HOSTILE = ["not json", "array", "deep", "version", "escape", "past size", "negative", "dims", "dtype", "tag", "kind",
-           "duplicate chunk"]
+           "duplicate chunk", "hole", "overlap"]
 
 
 @pytest.mark.parametrize("kind", HOSTILE)

@@ -132,6 +132,19 @@ def _opt_str(value: Any, where: str, what: str) -> str | None:
     return value
 
 
+def _check_cover(at: str, size: list[int], chunks: list[ChunkStorageMetadata]) -> None:
+    """The chunks tile the tensor: no two overlap and their volumes add up to its size (else a load would leave
+    part of a destination unfilled without an error)."""
+    total = sum(math.prod(c.sizes) for c in chunks)
+    if total != math.prod(size):
+        raise HeaderError(f"{at}: its chunks hold {total} elements, its size {size} has {math.prod(size)}")
+    boxes = [(list(c.offsets), list(c.sizes)) for c in chunks if math.prod(c.sizes)]
+    for i, (o1, s1) in enumerate(boxes):
+        for o2, s2 in boxes[i + 1:]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(o1, s1, o2, s2)):
+                raise HeaderError(f"{at}: chunks at {o1} and {o2} overlap")
+
+
 def _parse_tensor(fqn: str, body: Any, where: str, parsed: ParsedMetadata) -> TensorStorageMetadata:
     at = f"{where}: state_dict[{fqn!r}]"
     if not isinstance(body, dict) or set(body) != {"dtype", "size", "chunks"}:
@@ -167,8 +180,7 @@ def _parse_tensor(fqn: str, body: Any, where: str, parsed: ParsedMetadata) -> Te
             raise HeaderError(f"{cat}: a second chunk at offsets {offsets}")
         parsed.chunks[key] = ChunkLocation(chunk["file"], chunk["name"])
         out.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-    if math.prod(size) and not out:
-        raise HeaderError(f"{at}: a tensor of size {size} with no stored chunk")
+    _check_cover(at, size, out)
     parsed.dtypes[fqn] = dtype_name
     return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=out)
 
