@@ -164,6 +164,8 @@ def save_state(
         TypeError: scheduler / optimizer state that cannot be stored without pickle (names its path).
         ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``.
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
+        CollectiveTimeoutError: (sharded) another process did not take part within ``timeout`` (names it and the
+            step); CheckpointError: (sharded) another process failed (names it); the previous checkpoint is intact.
         Exception: an earlier async save failed and its exception was not yet raised by ``wait()``: it is
             raised here, once (this save is then not made).
 
