@@ -11,12 +11,16 @@ MODE ``save`` (2 ranks):
   D: loading ``OUT/A`` into a float64 ``w`` raises DtypeError on both ranks; nothing of the template changes; the
      same when only rank 1's template is wrong (fastckpt.dcp.LoadPlanner checks while planning).
 MODE ``load`` (any world size): ``OUT/A`` into DTensors along dim 0 and along dim 1.
+MODE ``kill`` (2 ranks): ``OUT/K`` holds seed 1; during the re-save of seed 2 rank 1 is SIGKILLed right after it
+  wrote its file (torchrun then stops rank 0, which waits in DCP's gather): the test checks the folder afterwards.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -55,6 +59,17 @@ def error_of(fn) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+class _DieAfterWrite:
+    """``_core`` whose ``write_files_checked`` writes, then SIGKILLs this process (a rank dying mid-save)."""
+
+    def __getattr__(self, name):
+        return getattr(_core, name)
+
+    def write_files_checked(self, *args, **kwargs):
+        _core.write_files_checked(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _FailAfterWrite:
@@ -124,6 +139,11 @@ def main() -> None:
             checks["C_dim0"] = reload(OUT / "C", mesh, 0)
             failures(mesh, rank)
             dtype_mismatch(mesh)
+        elif MODE == "kill":
+            fastckpt.dcp.save(as_dtensors(full_state(1), mesh, 0), OUT / "K")
+            if rank == 1:
+                writer_module._core = _DieAfterWrite()
+            fastckpt.dcp.save(as_dtensors(full_state(2), mesh, 0), OUT / "K")
         else:
             checks["L_dim0"] = reload(OUT / "A", mesh, 0)
             checks["L_dim1"] = reload(OUT / "A", mesh, 1)
