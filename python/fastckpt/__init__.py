@@ -15,6 +15,7 @@ from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
     CheckpointError,
     ClosedFileError,
+    CollectiveTimeoutError,
     DtypeError,
     FrozenWeightsError,
     HeaderError,
@@ -66,5 +67,6 @@ __all__ = [
     "UnsafePickleError",
     "ClosedFileError",
     "MetaTensorError",
+    "CollectiveTimeoutError",
     "__version__",
 ]

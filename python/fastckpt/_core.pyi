@@ -17,7 +17,7 @@ from typing_extensions import Buffer
 
 __all__ = [
     "SafetensorsFile", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors", "parse_header",
-    "serialize", "write_file", "write_files", "write_files_checked",
+    "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
 ]
 
 #: ``(name, dtype, shape, buffer, byte_offset, byte_strides)``: a tensor of safetensors dtype ``dtype``
@@ -99,6 +99,36 @@ def write_files_checked(
     The sums are computed while the bytes are written, by the thread that writes each chunk (hardware crc32c,
     pieces combined with ``crc32c_combine``), so they cost no second pass and do not depend on ``threads`` or
     ``chunk_bytes``. Raises as :func:`write_file`.
+    """
+
+#: ``(name, dtype, shape, src_indices, src_offsets, dst_offsets, lengths)``: an output tensor filled by ranges:
+#: ``lengths[i]`` bytes at absolute offset ``src_offsets[i]`` of ``sources[src_indices[i]]`` go to byte
+#: ``dst_offsets[i]`` of the tensor's data; together the ranges cover its bytes exactly once.
+_AssembledTensor: TypeAlias = tuple[str, str, Sequence[int], Sequence[int], Sequence[int], Sequence[int], Sequence[int]]
+
+def write_assembled(
+    path: _StrPath,
+    sources: Sequence[_StrPath],
+    tensors: Sequence[_AssembledTensor],
+    metadata: _Metadata,
+    *,
+    durable: bool = True,
+    threads: int = 0,
+    chunk_bytes: int = 8 << 20,
+) -> int:
+    """Write one safetensors file whose tensors are copied from byte ranges of ``sources`` (consolidation).
+
+    The header is the official writer's (tensors ordered by dtype rank then name, padded to 8 bytes), written
+    through a temp file renamed over ``path``. Workers copy the ranges in pieces of at most ``chunk_bytes`` by
+    positional reads and writes, GIL released: peak memory is ``threads * chunk_bytes``.
+
+    Returns:
+        The file size in bytes.
+
+    Raises:
+        ValueError: ranges that do not cover a tensor exactly once, a bad name or source index, range lists of
+            different lengths. DtypeError: an unknown dtype or a shape that is not whole bytes.
+        TruncatedFileError: a source is shorter than a range. OSError: the I/O failed (the target is untouched).
     """
 
 def checksum_files(

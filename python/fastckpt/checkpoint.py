@@ -18,11 +18,15 @@ import torch
 
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit
 from fastckpt._io.commit import check_target, write_checkpoint
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, process_rank
 from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
+from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
+from fastckpt._plan.sharded_save import save_sharded
+from fastckpt._state.sharded import is_sharded
 
 __all__ = ["save_state", "load_state", "LoadResult"]
 
@@ -113,6 +117,7 @@ def save_state(
     trainable_buffers: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     share_unchanged: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path | AsyncSave:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
@@ -161,6 +166,13 @@ def save_state(
             ``checkpoints``: frozen tensors go to shard files of their own, and a shard whose tensors all equal
             the previous checkpoint's (name, dtype, shape, xxh3-128) is hard-linked from it instead of written
             (see :mod:`fastckpt._io.sharing`).
+        timeout: sharded (DTensor / FSDP2) saves: seconds each process waits for the others at each step before
+            raising :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died or never called save_state).
+
+    Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
+    arguments; the shards are written through torch.distributed.checkpoint into the checkpoint's staging folder
+    beside the scheduler/optimizer JSON, one RNG file per process and the manifest, committed once (see
+    :mod:`fastckpt._plan.sharded_save`). ``max_shard_size``, ``compat`` and ``async_save`` do not apply to them.
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
@@ -173,6 +185,8 @@ def save_state(
             ``dtype`` without ``model_only`` or not a floating dtype.
         FrozenWeightsError: never on save (see :func:`load_state`).
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
+        CollectiveTimeoutError: (sharded) another process did not take part within ``timeout`` (names it and the
+            step); CheckpointError: (sharded) another process failed (names it); the previous checkpoint is intact.
         Exception: an earlier async save failed and its exception was not yet raised by ``wait()``: it is
             raised here, once (this save is then not made).
 
@@ -185,11 +199,20 @@ def save_state(
     """
     finish_pending(wait=not async_save)
     _check_save_args(model, threads, step, total_limit)
+    timeout = check_timeout(timeout)
     models = _as_list(model, "model")
     if output_dir is not None:
         output_dir = check_target(output_dir)
     if share_unchanged and compat is not None:
         raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
+    if is_sharded(models):
+        if trainable_only or dtype is not None or share_unchanged:
+            raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
+                             "models yet; save the full sharded state, then `fastckpt consolidate` it")
+        return _save_sharded(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
+                             output_dir=output_dir, model_only=model_only, project_dir=project_dir,
+                             total_limit=total_limit, step=step, durable=durable, threads=threads,
+                             max_shard_size=max_shard_size, compat=compat, async_save=async_save, timeout=timeout)
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
                            model_only=model_only, step=step,
                            max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
@@ -235,6 +258,7 @@ def load_state(
     threads: int = 0,
     trust_pickle: bool = False,
     verify: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> LoadResult:
     """Restore a state saved by :func:`save_state` (or by stock ``Accelerator.save_state``): validate, then apply.
 
@@ -259,6 +283,12 @@ def load_state(
             sampler, numpy scalars in a scheduler). Full unpickling can run arbitrary code.
         verify: first read every file of the checkpoint and check the sizes and crc32c checksums recorded in
             ``fastckpt.json`` (see :func:`fastckpt.verify_checkpoint`); nothing is applied if one differs.
+        timeout: sharded checkpoints with several processes: seconds each process waits for the others at each
+            step before raising :class:`~fastckpt.errors.CollectiveTimeoutError`.
+
+    A sharded checkpoint (saved from DTensor / FSDP2 models) loads on any number of processes (DCP reshards it)
+    and into plain models in one process without a process group; every process calls ``load_state`` with the same
+    arguments, and a failure on any process raises on every process before anything changes.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -274,7 +304,10 @@ def load_state(
         HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint, or a shard index that disagrees with
             its shards; a shard index naming absent shards raises MissingStateError listing all of them.
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
-        RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped.
+        RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped; a process whose
+            rank the sharded save did not have keeps its RNG states.
+        CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
+        CheckpointError: another process failed (names it and its error); nothing changed here.
     """
     if model is None:
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
@@ -282,10 +315,72 @@ def load_state(
     _check_map_location(map_location)
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
+    timeout = check_timeout(timeout)
     folder = resolve_input_dir(input_dir, project_dir)
+    if is_sharded(models) or is_sharded_checkpoint(folder):
+        return _load_sharded(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                             threads=threads, verify=verify, timeout=timeout)
     if verify:
         verify_checkpoint(folder, threads=threads)
     plan = plan_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                      map_location=map_location, trust_pickle=trust_pickle)
     plan.apply(threads=threads)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+
+
+# -- sharded (DTensor / FSDP2) states: torch.distributed.checkpoint through the storage plugin --------------------
+def dcp_storage_writer(folder: Path, durable: bool, threads: int) -> Any:
+    """The DCP ``StorageWriter`` a sharded save writes one part with, into ``folder`` inside the staging folder
+    (fastckpt.dcp, ``commit=False``: the save commits the whole checkpoint once)."""
+    import fastckpt.dcp
+
+    return fastckpt.dcp.StorageWriter(folder, threads=threads, durable=durable, commit=False)
+
+
+def dcp_storage_reader(folder: Path) -> Any:
+    """The DCP ``StorageReader`` a sharded load reads one part with."""
+    import fastckpt.dcp
+
+    return fastckpt.dcp.StorageReader(folder)
+
+
+def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,
+                  project_dir: Any, total_limit: int | None, step: int, durable: bool, threads: int,
+                  max_shard_size: Any, compat: Any, async_save: bool, timeout: float) -> Path:
+    for name, value in (("max_shard_size", max_shard_size), ("compat", compat)):
+        if value is not None:
+            raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
+                             "written through torch.distributed.checkpoint; pass None")
+    if async_save:
+        raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
+                         "save with async_save=False")
+    root = Path(project_dir if project_dir is not None else os.getcwd())
+    target = next_checkpoint_dir(root) if output_dir is None else Path(output_dir)
+    path = save_sharded(models, optimizers, schedulers, target=target.absolute(), model_only=model_only,
+                        step=step, durable=durable, threads=threads, timeout=timeout,
+                        writer_factory=dcp_storage_writer)
+    if output_dir is None and total_limit is not None and process_rank() == 0:
+        rotate_checkpoints(root, total_limit)
+    return path
+
+
+def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
+                  strict: bool, threads: int, verify: bool, timeout: float) -> LoadResult:
+    from fastckpt.errors import MissingStateError
+
+    session = Session(f"load_state from {folder.absolute()}", timeout)
+    error: BaseException | None = None
+    try:
+        if not is_sharded_checkpoint(folder):
+            raise MissingStateError(f"{folder}: not a sharded checkpoint; a sharded (DTensor / FSDP2) model loads "
+                                    "checkpoints saved from sharded models")
+        if verify:
+            verify_checkpoint(folder, threads=threads)
+    except Exception as exc:
+        error = exc
+    session.agree(error, step="arrive")
+    plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                             session=session, reader_factory=dcp_storage_reader,
+                             rng_rank=None if model_only else session.rank)
+    plan.apply()
     return LoadResult(plan.missing_keys, plan.unexpected_keys)

@@ -27,6 +27,7 @@ __all__ = [
     "UnsafePickleError",
     "ClosedFileError",
     "MetaTensorError",
+    "CollectiveTimeoutError",
 ]
 
 
@@ -83,3 +84,11 @@ class ClosedFileError(CheckpointError, ValueError):
 
 class MetaTensorError(CheckpointError, NotImplementedError):
     """A tensor on the meta device has no data to save (safetensors raises NotImplementedError too)."""
+
+
+class CollectiveTimeoutError(CheckpointError, TimeoutError):
+    """Another process of a multi-process save or load did not take part in time (it died, or never called the
+    same function): raised within the ``timeout`` passed to the call instead of waiting forever.
+
+    The message names the operation, the step it waited at, the processes that did not arrive and the seconds.
+    """

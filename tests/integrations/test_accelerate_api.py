@@ -293,7 +293,7 @@ def test_a_rank_without_its_rng_file_warns_and_keeps_its_streams(tmp_path):
         assert _rng_rank(ckpt, "fastckpt", 1) is None
 
 
-@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"])
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "MEGATRON_LM", "XLA"])  # FSDP2: test_fsdp_accelerate.py
 def test_sharded_engines_are_refused(tmp_path, kind):
     from types import SimpleNamespace
 

@@ -15,7 +15,13 @@ Several processes (``torchrun`` / ``accelerate launch``): every process calls th
 process writes the shared files and every process's ``random_states_{rank}`` file (gathered to it) in one atomic
 commit; a broadcast of the outcome ends the save on every process (the barrier), and all raise if it failed. On load
 every process reads the shared files and its own RNG file; if any process finds a problem, all raise before any
-object changes. DeepSpeed, FSDP, Megatron-LM and XLA are not handled (use ``accelerator.save_state``).
+object changes. No step waits forever: a process that died or never called the function makes the others raise
+:class:`~fastckpt.errors.CollectiveTimeoutError` within ``timeout`` seconds.
+
+FSDP2 (``DistributedType.FSDP``, ``fsdp_version=2``): with ``SHARDED_STATE_DICT`` every process writes its shards
+through torch.distributed.checkpoint into the same atomic commit (see :mod:`fastckpt._plan.sharded_save`), and a
+load reshards to any number of processes; with ``FULL_STATE_DICT`` the state is gathered to the main process and
+written in the usual single-file layout. FSDP1, DeepSpeed, Megatron-LM and XLA are not handled.
 
 Layer 5 (public). May import every private layer and :mod:`fastckpt.checkpoint`; ``tracked_objects`` holds the
 state of objects the Accelerator tracks beyond models, optimizers and schedulers.
@@ -31,29 +37,48 @@ from typing import Any, Sequence
 
 import torch
 
-from fastckpt._io.distributed import agree, gather_to_main, on_main
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, agree, check_timeout, gather_to_main, on_main
 from fastckpt._io.layout import checkpoint_layout, checkpoint_numbers, random_states_name, rotate_checkpoints
 from fastckpt._plan.load import plan_load
 from fastckpt._plan.save import build_save_plan
+from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
+from fastckpt._plan.sharded_save import save_sharded
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
-from fastckpt.checkpoint import LoadResult
+from fastckpt.checkpoint import LoadResult, dcp_storage_reader, dcp_storage_writer
 from fastckpt.errors import MissingStateError
 
 __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
 
 #: accelerate's ``save_model`` default; applies to fastckpt's layout (``compat="accelerate"`` is unsharded).
 DEFAULT_MAX_SHARD_SIZE = "10GB"
-_UNSUPPORTED = {"DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"}
+_UNSUPPORTED = {
+    "DEEPSPEED": "DeepSpeed keeps its engine's own sharded files: use accelerator.save_state / load_state",
+    "MEGATRON_LM": "Megatron-LM keeps its own sharded files: use accelerator.save_state / load_state",
+    "XLA": "XLA tensors live on TPU devices: use accelerator.save_state / load_state",
+}
 _DEFAULT: Any = object()
 
 
-def _check_supported(accelerator: Any) -> None:
+def _check_supported(accelerator: Any) -> str | None:
+    """None, or the FSDP2 state_dict_type (``"SHARDED_STATE_DICT"`` / ``"FULL_STATE_DICT"``).
+
+    Raises:
+        NotImplementedError: DeepSpeed, Megatron-LM, XLA, or FSDP1 (each names what to use instead).
+    """
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
     if kind in _UNSUPPORTED:
-        raise NotImplementedError(
-            f"fastckpt.accelerate does not handle DistributedType.{kind} (sharded engine state); "
-            "use accelerator.save_state / load_state for it"
-        )
+        raise NotImplementedError(f"fastckpt.accelerate does not handle DistributedType.{kind}: {_UNSUPPORTED[kind]}")
+    if kind != "FSDP":
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise NotImplementedError("fastckpt.accelerate handles FSDP2 only (FullyShardedDataParallelPlugin("
+                                  "fsdp_version=2)); for FSDP1 use accelerator.save_state / load_state")
+    sdt = str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type)).rsplit(".", 1)[-1]
+    if sdt not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        raise NotImplementedError(f"fastckpt.accelerate handles FSDP2 with SHARDED_STATE_DICT or FULL_STATE_DICT, "
+                                  f"not {sdt}; use accelerator.save_state / load_state")
+    return sdt
 
 
 def _project_root(accelerator: Any) -> Path:
@@ -86,6 +111,7 @@ def save_state(
     trainable_buffers: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     share_unchanged: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path:
     """Save everything ``accelerator`` tracks (or only the model weights) to a checkpoint folder, crash-safely.
 
@@ -107,13 +133,16 @@ def save_state(
             ``requires_grad``, frozen ones recorded and checked on load; ``dtype`` for model-only exports).
         share_unchanged: as :func:`fastckpt.save_state`: frozen tensors in shards of their own, hard-linked from
             the previous checkpoint of ``project_dir`` when unchanged. Not with ``compat="accelerate"``.
+        timeout: seconds each process waits for the others at any step before raising
+            :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or only some called save_state).
 
     Returns:
         The committed checkpoint folder (the same on every process).
 
     Raises:
         ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``.
-        NotImplementedError: DeepSpeed, FSDP, Megatron-LM or XLA.
+        NotImplementedError: DeepSpeed, FSDP1, Megatron-LM or XLA (the message says what to use instead).
+        CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         TypeError: state that cannot be stored without pickle (fastckpt layout; names its path).
         KeyMismatchError, DtypeError, OSError: as :func:`fastckpt.save_state`; nothing is left behind.
         CheckpointError: on the other processes when the main process failed (names its error).
@@ -122,20 +151,34 @@ def save_state(
         >>> model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
-    _check_supported(accelerator)
+    fsdp = _check_supported(accelerator)
+    timeout = check_timeout(timeout)
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
     if compat not in (None, "accelerate"):
         raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
+    if fsdp == "SHARDED_STATE_DICT":
+        if compat:
+            raise ValueError("compat='accelerate' does not apply to FSDP2 SHARDED_STATE_DICT (its shards are a "
+                             "torch.distributed.checkpoint folder); use FULL_STATE_DICT for accelerate's files")
+        return _save_sharded(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
+                             timeout=timeout)
     if max_shard_size is _DEFAULT:
         max_shard_size = None if compat else DEFAULT_MAX_SHARD_SIZE
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    target, number = on_main(lambda: _choose_target(accelerator, output_dir), what="choosing the checkpoint folder")
+    target, number = on_main(lambda: _choose_target(accelerator, output_dir), what="choosing the checkpoint folder",
+                             timeout=timeout)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
-    if compat:
+    full_optimizers = None
+    if fsdp == "FULL_STATE_DICT":  # gathered to the main process (every process takes part)
+        from fastckpt._state.sharded_full import full_model_states, full_optimizer_states
+
+        weights = full_model_states(unwrapped)
+        full_optimizers = None if model_only else full_optimizer_states(unwrapped, list(accelerator._optimizers))
+    elif compat:
         weights = [accelerator.get_state_dict(m, unwrap=False) for m in models]
     else:
         weights = [m.state_dict() for m in unwrapped]
@@ -150,10 +193,10 @@ def save_state(
         if compat:
             from fastckpt._plan.accelerate_format import accelerate_rng_state, torch_save_bytes
 
-            rng = gather_to_main(torch_save_bytes(accelerate_rng_state(step)))
+            rng = gather_to_main(torch_save_bytes(accelerate_rng_state(step)), timeout=timeout)
         else:  # tensors travel as numpy arrays: torch's object collectives cannot unpickle tensors reliably
             tensors, metadata = rng_payload(step)
-            gathered = gather_to_main(({k: v.cpu().numpy() for k, v in tensors.items()}, metadata))
+            gathered = gather_to_main(({k: v.cpu().numpy() for k, v in tensors.items()}, metadata), timeout=timeout)
             rng = None if gathered is None else [({k: torch.from_numpy(a) for k, a in t.items()}, m)
                                                  for t, m in gathered]
 
@@ -163,6 +206,8 @@ def save_state(
         from fastckpt.accelerate.tracked_objects import add_tracked_objects
 
         optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
+        if full_optimizers is not None:
+            optimizers = full_optimizers
         if compat:
             plan = build_accelerate_plan(unwrapped, optimizers, schedulers, model_only=model_only, step=step,
                                          model_states=weights, rng_pickles=rng)
@@ -188,7 +233,7 @@ def save_state(
             rotate_checkpoints(_project_root(accelerator), limit)
         return target
 
-    path = on_main(write, what=f"saving {target}")  # the outcome broadcast is the barrier that ends the save
+    path = on_main(write, what=f"saving {target}", timeout=timeout)  # the outcome broadcast ends the save
     config = accelerator.project_configuration
     config.iteration = number + 1 if number is not None else config.iteration + 1
     return path
@@ -226,6 +271,7 @@ def load_state(
     map_location: Any = None,
     trust_pickle: bool = False,
     threads: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> LoadResult:
     """Restore everything ``accelerator`` tracks from a fastckpt or a stock accelerate checkpoint.
 
@@ -240,6 +286,7 @@ def load_state(
         trust_pickle: accelerate's files only: allow full unpickling where ``weights_only=True`` with accelerate's
             allowlist refuses a file (a pickled sampler or custom object). It can run arbitrary code.
         threads: reader threads; 0 picks min(8, cores).
+        timeout: seconds each process waits for the others at any step (CollectiveTimeoutError after it).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the models. Also sets ``accelerator.step`` from the RNG
@@ -252,24 +299,36 @@ def load_state(
         KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError, UnsafePickleError: as
             :func:`fastckpt.load_state`; nothing changed on any process.
         CheckpointError: another process could not validate its part (names it); nothing changed here.
-        NotImplementedError: DeepSpeed, FSDP, Megatron-LM or XLA.
+        NotImplementedError: DeepSpeed, FSDP1, Megatron-LM or XLA (the message says what to use instead).
+        CollectiveTimeoutError: another process did not take part within ``timeout``.
         RngRestoreWarning (warning): this process has no RNG file (the checkpoint was saved by fewer processes).
 
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
-    _check_supported(accelerator)
-    folder = on_main(lambda: _resolve(accelerator, input_dir), what="finding the checkpoint")
+    fsdp = _check_supported(accelerator)
+    timeout = check_timeout(timeout)
+    folder = on_main(lambda: _resolve(accelerator, input_dir), what="finding the checkpoint", timeout=timeout)
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
     targets = [accelerator.unwrap_model(m) for m in models]
     everything = [accelerator.unwrap_model(m) for m in accelerator._models]
+    if is_sharded_checkpoint(folder) or fsdp == "SHARDED_STATE_DICT":
+        result = _load_sharded(accelerator, folder, targets, model_only=model_only, strict=strict,
+                               trust_pickle=trust_pickle, timeout=timeout)
+        _set_iteration(accelerator, folder)
+        return result
     plan, error = None, None
+    full: list = []
     try:
         layout = checkpoint_layout(folder)
         rank = None if model_only else _rng_rank(folder, layout, int(accelerator.process_index))
-        plan = plan_load(folder, targets, list(accelerator._optimizers), list(accelerator._schedulers),
+        optimizers = list(accelerator._optimizers)
+        if fsdp == "FULL_STATE_DICT":
+            full = _plan_full(folder, targets, optimizers, model_only=model_only, strict=strict, layout=layout)
+            targets, optimizers = [], []
+        plan = plan_load(folder, targets, optimizers, list(accelerator._schedulers),
                          model_only=model_only, strict=strict, map_location=map_location, trust_pickle=trust_pickle,
                          rank=rank, fqn_models=everything)
         if not model_only:
@@ -278,13 +337,112 @@ def load_state(
             plan_tracked_objects(plan, folder, accelerator, layout=layout, trust_pickle=trust_pickle)
     except Exception as exc:  # every process learns of it before any object changes
         error = exc
-    agree(error, what=f"loading {folder}")
+    agree(error, what=f"loading {folder}", timeout=timeout)
     assert plan is not None
+    if full:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        for kind, model, *rest in full:
+            if kind == "model":
+                set_model_state_dict(model, rest[0], options=StateDictOptions(full_state_dict=True, strict=strict))
+                plan.missing_keys += rest[1]
+                plan.unexpected_keys += rest[2]
+            else:
+                set_optimizer_state_dict(model, rest[0], rest[1], options=StateDictOptions(full_state_dict=True))
     plan.apply(threads=threads)
     if plan.rng is not None:
         accelerator.step = plan.rng.step
+    _set_iteration(accelerator, folder)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+
+
+def _set_iteration(accelerator: Any, folder: Path) -> None:
     m = re.fullmatch(r"checkpoint_(\d+)", folder.name)
     root = _project_root(accelerator) / "checkpoints"
     if m and folder.parent.resolve() == root.resolve():
         accelerator.project_configuration.iteration = int(m.group(1)) + 1
+
+
+def _plan_full(folder: Path, models: list, optimizers: list, *, model_only: bool, strict: bool,
+               layout: str) -> list:
+    """FSDP2 FULL_STATE_DICT load, phase 1: every model's and optimizer's full state, checked (nothing changes)."""
+    from fastckpt._io.layout import part_name, read_manifest
+    from fastckpt._io.shards import open_state_file, open_state_files
+    from fastckpt._state.sharded import owner_model
+    from fastckpt._state.sharded_full import read_full_model, read_full_optimizer
+
+    if layout != "fastckpt":
+        raise MissingStateError(f"{folder}: FSDP2 FULL_STATE_DICT loads fastckpt's layout; convert accelerate's "
+                                "files first (fastckpt convert)")
+    manifest = read_manifest(folder, model_files_only=model_only)
+    if not model_only and optimizers and manifest.get("mode") == "model_only":
+        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer.safetensors; load "
+                                "it with model_only=True. Nothing was changed.")
+    out: list = []
+    for i, m in enumerate(models):
+        base = part_name("model", i, "")
+        state, missing, unexpected = read_full_model(open_state_files(folder, base, f"model {i}"), m, strict=strict,
+                                                     where=f"{folder} ({base})")
+        out.append(("model", m, state, missing, unexpected))
+    for j, opt in enumerate([] if model_only else optimizers):
+        base = part_name("optimizer", j, "")
+        owner = owner_model(opt, models, base)
+        osd = read_full_optimizer(open_state_file(folder, base, f"optimizer {j}"), owner, opt, strict=strict,
+                                  where=f"{folder / (base + '.safetensors')}")
+        out.append(("optimizer", owner, opt, osd))
+    return out
+
+
+def _save_sharded(accelerator: Any, output_dir: Any, *, model_only: bool, durable: bool, threads: int,
+                  timeout: float) -> Path:
+    """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit."""
+    from fastckpt.accelerate.tracked_objects import add_tracked_objects
+
+    target, number = on_main(lambda: _choose_target(accelerator, output_dir), what="choosing the checkpoint folder",
+                             timeout=timeout)
+    models = [accelerator.unwrap_model(m) for m in accelerator._models]
+    for hook in accelerator._save_model_state_pre_hook.values():
+        os.makedirs(target, exist_ok=True)
+        hook(list(accelerator._models), [m.state_dict() for m in models], str(target))
+    path = save_sharded(models, list(accelerator._optimizers), list(accelerator._schedulers), target=target,
+                        model_only=model_only, step=int(accelerator.step), durable=durable, threads=threads,
+                        timeout=timeout, writer_factory=dcp_storage_writer,
+                        add_files=None if model_only else lambda plan: add_tracked_objects(plan, accelerator,
+                                                                                           compat=False),
+                        what="fastckpt.accelerate.save_state")
+    limit = accelerator.project_configuration.total_limit
+    if number is not None and limit is not None and int(accelerator.process_index) == 0:
+        rotate_checkpoints(_project_root(accelerator), limit)
+    config = accelerator.project_configuration
+    config.iteration = number + 1 if number is not None else config.iteration + 1
+    return path
+
+
+def _load_sharded(accelerator: Any, folder: Path, models: list, *, model_only: bool, strict: bool,
+                  trust_pickle: bool, timeout: float) -> LoadResult:
+    from fastckpt.accelerate.tracked_objects import plan_tracked_objects
+
+    session = Session(f"fastckpt.accelerate.load_state from {folder}", timeout)
+    error: BaseException | None = None
+    try:
+        if not is_sharded_checkpoint(folder):
+            raise MissingStateError(f"{folder}: not a sharded checkpoint; FSDP2 SHARDED_STATE_DICT loads folders "
+                                    "saved with SHARDED_STATE_DICT (switch state_dict_type to FULL_STATE_DICT "
+                                    "to load single-file ones)")
+    except Exception as exc:
+        error = exc
+    session.agree(error, step="arrive")
+    plan = plan_sharded_load(folder, models, list(accelerator._optimizers), list(accelerator._schedulers),
+                             model_only=model_only, strict=strict, session=session,
+                             reader_factory=dcp_storage_reader,
+                             rng_rank=None if model_only else int(accelerator.process_index),
+                             extra=lambda load: plan_tracked_objects(load, folder, accelerator, layout="fastckpt",
+                                                                     trust_pickle=trust_pickle))
+    plan.apply()
+    if plan.step is not None:
+        accelerator.step = plan.step
     return LoadResult(plan.missing_keys, plan.unexpected_keys)

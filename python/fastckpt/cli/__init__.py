@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, str] = {
     "convert": "fastckpt.cli.convert",
     "verify": "fastckpt.cli.verify",
     "inspect": "fastckpt.cli.inspect",
+    "consolidate": "fastckpt.cli.consolidate",
 }
 
 

@@ -10,9 +10,11 @@
 //! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
 //! - [`content_hash`]: xxh3-128 content hashes per tensor, computed while writing (shared frozen weights).
 //! - [`convert`]: floating dtype conversion while writing (round to nearest even, as torch does).
+//! - [`assemble`]: a file assembled from byte ranges of other files (consolidating sharded checkpoints).
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod assemble;
 pub mod checksum;
 pub mod commit;
 pub mod content_hash;
@@ -30,6 +32,7 @@ pub mod writer;
 /// Default bytes per positional write or read: 8 MiB.
 pub const DEFAULT_CHUNK_BYTES: u64 = 8 << 20;
 
+pub use assemble::{write_assembled, AssembledTensor, CopyRange};
 pub use checksum::{checksum_files, FileCheck, FileChecksums};
 pub use commit::commit_dir;
 pub use dtype::Dtype;

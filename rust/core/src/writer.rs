@@ -338,7 +338,7 @@ fn range_len(parts: &[&[u8]]) -> usize {
 }
 
 /// The folder holding `path` (`.` for a bare file name).
-fn parent_dir(path: &Path) -> PathBuf {
+pub(crate) fn parent_dir(path: &Path) -> PathBuf {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -346,10 +346,10 @@ fn parent_dir(path: &Path) -> PathBuf {
 }
 
 /// A temp file beside its target, removed on drop unless committed.
-struct TempFile {
-    path: PathBuf,
-    file: File,
-    committed: bool,
+pub(crate) struct TempFile {
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
+    pub(crate) committed: bool,
 }
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -357,7 +357,7 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 impl TempFile {
     /// Create `.<target name>.<pid>.<n>.tmp` beside `target` with mode 0o666 & ~umask, or the target's mode
     /// when it already exists.
-    fn create(target: &Path) -> Result<TempFile> {
+    pub(crate) fn create(target: &Path) -> Result<TempFile> {
         let name = target.file_name().ok_or_else(|| {
             Error::InvalidArgument(format!("{}: not a file path", target.display()))
         })?;

@@ -1,8 +1,9 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
-//! parse_header), commit, integrity (checksum_files, crc32c).
+//! parse_header), commit, integrity (checksum_files, crc32c), assemble (write_assembled).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod assemble;
 mod commit;
 mod errors;
 mod integrity;
@@ -14,6 +15,8 @@ use pyo3::prelude::*;
 /// The Rust core of fastckpt: safetensors writing, reading and committing. See `fastckpt/_core.pyi`.
 #[pymodule]
 mod _core {
+    #[pymodule_export]
+    use super::assemble::write_assembled;
     #[pymodule_export]
     use super::commit::commit_dir;
     #[pymodule_export]

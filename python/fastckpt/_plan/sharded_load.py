@@ -1,0 +1,235 @@
+"""Loading a sharded checkpoint (written by :mod:`fastckpt._plan.sharded_save`) on any number of processes, into
+FSDP2 / DTensor models or plain ones (one process, no process group needed).
+
+Phase 1 (:func:`plan_sharded_load`, every rank): read the manifest and the small files, check every name, shape
+and dtype against the DCP metadata, build empty destination tensors shaped like the live ones (DTensors keep their
+placements, so DCP reshards from whatever world size saved them) and let DCP fill them; then every rank agrees. A
+failure on any rank raises on every rank and nothing live has changed (the optimizer is not even initialised).
+
+Phase 2 (:meth:`ShardedLoad.apply`): ``set_model_state_dict`` and ``set_optimizer_state_dict``, called separately
+(the combined ``set_state_dict(..., broadcast_from_rank0=True)`` hangs in this torch), then schedulers and RNG.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fastckpt import _core
+from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._io.distributed import Session, timeout_group
+from fastckpt._io.layout import part_name, random_states_name, read_manifest
+from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
+from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
+from fastckpt.errors import MissingStateError
+
+__all__ = ["is_sharded_checkpoint", "plan_sharded_load", "ShardedLoad", "ReaderFactory"]
+
+#: ``reader_factory(folder)`` -> a DCP ``StorageReader`` over one part folder (``model/``, ``optimizer/``, ...)
+ReaderFactory = Callable[[Path], Any]
+
+
+def is_sharded_checkpoint(folder: Path) -> bool:
+    """Whether ``folder``'s manifest says its tensors are a DCP checkpoint (a sharded save)."""
+    try:
+        return isinstance(read_manifest(folder, check_sizes=False).get("sharded"), dict)
+    except (MissingStateError, ValueError):
+        return False
+
+
+@dataclass
+class ShardedLoad:
+    """A validated sharded load: the filled tensors and what goes where; apply it with :meth:`apply`."""
+
+    models: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
+    optimizers: list[tuple[torch.nn.Module, Any, dict[str, Any]]] = field(default_factory=list)
+    schedulers: list[tuple[Any, dict]] = field(default_factory=list)
+    rng: RngState | None = None
+    step: int | None = None
+    strict: bool = True
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    objects: list[tuple[Any, Any]] = field(default_factory=list)
+
+    def apply(self) -> None:
+        """Phase 2: change the live objects."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        for model, state in self.models:
+            set_model_state_dict(model, state, options=StateDictOptions(strict=self.strict))
+        for model, opt, state in self.optimizers:
+            set_optimizer_state_dict(model, opt, state)
+        for sched, state in self.schedulers:
+            sched.load_state_dict(state)
+        for obj, state in self.objects:
+            obj.load_state_dict(state)
+        if self.rng is not None:
+            self.rng.restore()
+
+
+def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fastckpt._plan.sharded_save import original_error
+
+    try:
+        if session.active:
+            dcp.load(dest, storage_reader=reader, process_group=timeout_group(session.timeout))
+        else:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(dest, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:
+        raise original_error(exc) from exc
+
+
+def _read_json(folder: Path, name: str, what: str) -> Any:
+    path = folder / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold") from None
+    return load_json(data, f"{path}: not a valid fastckpt JSON file")
+
+
+def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
+                      strict: bool, session: Session, reader_factory: ReaderFactory,
+                      rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None) -> ShardedLoad:
+    """Phase 1 on this rank (see the module docs): validate and read; nothing live changes.
+
+    ``extra(load)``: reads and validates more state into ``load.objects`` (``fastckpt.accelerate``'s tracked
+    objects), before any rank reads the shards.
+
+    Raises:
+        MissingStateError: a part asked for is absent (a full load of a model-only checkpoint names them).
+        KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError: see
+            :func:`fastckpt.load_state`.
+    """
+    error: BaseException | None = None
+    try:
+        found = _validate(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                          reader_factory=reader_factory, rng_rank=rng_rank)
+        if extra is not None and not model_only:
+            extra(found[0])
+    except Exception as exc:  # every rank learns of it before DCP's collectives start
+        error = exc
+    session.agree(error, step="validate")
+    load, dest, readers, served, saved_optimizers = found
+    try:
+        for sub, state in dest.items():
+            _dcp_load(state, readers[sub], session)
+    except Exception as exc:
+        error = exc
+    session.agree(error, step="read")
+    return _assemble(load, dest, models, served, saved_optimizers)
+
+
+def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool, strict: bool,
+              reader_factory: ReaderFactory, rng_rank: int | None) -> tuple:
+    manifest = read_manifest(folder)
+    if model_only:
+        optimizers, schedulers = [], []
+    if manifest.get("mode") == "model_only" and (optimizers or schedulers):
+        wanted = [part_name("optimizer", j, ".json") for j in range(len(optimizers))]
+        wanted += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
+        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no {', '.join(wanted)}; load it "
+                                "with model_only=True, or pass no optimizer/scheduler. Nothing was changed.")
+    for kind, objs in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
+        if len(objs) > int(manifest.get(kind, 0)):
+            raise MissingStateError(f"{folder}: {len(objs)} {kind} passed but the checkpoint holds "
+                                    f"{manifest.get(kind, 0)}. Nothing was changed.")
+    sharded = manifest["sharded"]
+    _check_part_files(folder, sharded)
+    aliases = sharded.get("aliases", [])
+    load = ShardedLoad(strict=strict)
+    dest: dict[str, dict[str, torch.Tensor]] = {}
+    readers: dict[str, Any] = {}
+    served: list[dict[str, str]] = []
+
+    def part(sub: str) -> dict[str, Any]:
+        if not (folder / sub).is_dir():
+            raise MissingStateError(f"{folder}: the load needs the sharded part {sub}/, which is absent")
+        readers[sub] = reader_factory(folder / sub)
+        return readers[sub].read_metadata().state_dict_metadata
+
+    for i, m in enumerate(models):
+        sub = part_name("model", i, "")
+        d, s, missing, unexpected = model_destination(m, "", part(sub), aliases[i] if i < len(aliases) else {},
+                                                      strict=strict, where=f"{folder / sub}")
+        dest[sub] = d
+        served.append(s)
+        label = f"model_{i}." if len(models) > 1 else ""
+        load.missing_keys += [label + k for k in missing]
+        load.unexpected_keys += [label + k for k in unexpected]
+    saved_optimizers = []
+    for j, opt in enumerate(optimizers):
+        base = part_name("optimizer", j, "")
+        saved = _read_json(folder, base + ".json", f"optimizer {j}")
+        owner = owner_model(opt, models, base)
+        d, info = optimizer_destination(owner, opt, base, saved, part(base), strict=strict,
+                                        where=f"{folder / (base + '.json')}")
+        dest[base] = d
+        saved_optimizers.append((owner, opt, base, info))
+    for k, sched in enumerate(schedulers):
+        name = part_name("scheduler", k, ".json")
+        where = f"{folder / name}: not a valid fastckpt scheduler state"
+        load.schedulers.append((sched, decode_json(_read_json(folder, name, f"scheduler {k}"), where)))
+    if not model_only and manifest.get("mode") == "full" and rng_rank is not None:
+        name = random_states_name(rng_rank)
+        if (folder / name).is_file():
+            load.rng = read_rng_state(_core.SafetensorsFile(str(folder / name)))
+            load.step = load.rng.step
+        else:
+            warnings.warn(f"{folder}: holds no {name} (saved by {manifest.get('processes')} processes); process "
+                          f"{rng_rank} keeps its RNG states", RngRestoreWarning, stacklevel=5)
+    return load, dest, readers, served, saved_optimizers
+
+
+def _assemble(load: ShardedLoad, dest: dict[str, dict[str, torch.Tensor]], models: list, served: list,
+              saved_optimizers: list) -> ShardedLoad:
+    for i, m in enumerate(models):
+        state = dict(dest[part_name("model", i, "")])
+        for name, source in served[i].items():
+            state[name] = state[source]
+        load.models.append((m, state))
+    for owner, opt, base, info in saved_optimizers:
+        tensors = dest[base]
+        state: dict[str, dict[str, Any]] = {}
+        live_fqns = {f for g in info["param_groups"] for f in g["params"]}
+        for fqn, names in info["state_names"].items():
+            if fqn in live_fqns:
+                state[fqn] = {n: tensors[f"state.{fqn}.{n}"] for n in names if f"state.{fqn}.{n}" in tensors}
+        for fqn, extra in info["extra_state"].items():
+            state.setdefault(fqn, {}).update(extra)
+        load.optimizers.append((owner, opt, {"state": state, "param_groups": info["param_groups"]}))
+    return load
+
+
+def _check_part_files(folder: Path, sharded: dict[str, Any]) -> None:
+    """Every shard file the manifest lists is there with its recorded size (IntegrityError / MissingStateError)."""
+    from fastckpt.errors import HeaderError, IntegrityError
+
+    files = sharded.get("files", {})
+    if not isinstance(files, dict):
+        raise HeaderError(f"{folder}: the manifest's sharded 'files' must be an object")
+    for name, info in files.items():
+        parts = name.split("/")
+        if len(parts) != 2 or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+            raise HeaderError(f"{folder}: sharded file name {name!r} points outside its part folder")
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise MissingStateError(f"{path}: listed in the manifest but missing") from None
+        if not isinstance(info, dict) or size != info.get("bytes"):
+            raise IntegrityError(f"{path}: {size} bytes on disk, {info.get('bytes') if isinstance(info, dict) else info}"
+                                 " recorded in the manifest")

@@ -1,0 +1,169 @@
+"""``fastckpt.dcp.StorageReader``: DCP's storage reader over a folder :class:`fastckpt.dcp.StorageWriter` wrote."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import StorageReader as _DCPStorageReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from fastckpt._format.dcp_metadata import ParsedMetadata
+from fastckpt._format.dtypes import to_torch_dtype
+from fastckpt._format.tensors import destination_buffer
+from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata
+from fastckpt.errors import DtypeError, ShapeMismatchError
+
+__all__ = ["StorageReader"]
+
+#: bytes of bounce buffers (destinations that are not contiguous CPU memory) filled per round
+_BOUNCE_BYTES = 256 << 20
+
+
+def _set_object(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Put a decoded non-tensor value where ``planner.load_bytes`` would, without unpickling anything."""
+    fqn = item.dest_index.fqn
+    if isinstance(planner, DefaultLoadPlanner):
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], value)
+        else:
+            planner.state_dict[fqn] = value
+        return
+    # Another planner only takes bytes: hand it the value serialized here, in memory, from the decoded JSON
+    # (nothing read from the folder is unpickled).
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    planner.load_bytes(item, buf)
+
+
+class StorageReader(_DCPStorageReader):
+    """Reads a folder written by :class:`fastckpt.dcp.StorageWriter` for ``dcp.load``, resharding to any world
+    size and placement (DCP computes the overlaps; this reader serves boxes of stored chunks by parallel
+    positional reads through the Rust core, straight into contiguous CPU destinations).
+
+    Checks, before any tensor is filled: ``dcp_metadata.json`` is well-formed (:class:`~fastckpt.errors.HeaderError`
+    otherwise), every file it names is present (:class:`~fastckpt.errors.MissingStateError`) with a valid header
+    holding each chunk with the recorded dtype and shape (HeaderError naming the file), the manifest's sizes
+    (:class:`~fastckpt.errors.IntegrityError`); and on each rank, before it reads, that every destination has the
+    stored dtype (:class:`~fastckpt.errors.DtypeError` naming the key and both dtypes: DCP itself would cast) and
+    shape. Non-tensor values come back from JSON; nothing is unpickled.
+
+    Args:
+        path: the folder (``dcp_metadata.json`` in it).
+        threads: reader threads (0 = min(8, cores)).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 0) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.threads = threads
+        self._parsed: ParsedMetadata | None = None
+        self._files: dict[str, Any] = {}
+        #: the exception the last :meth:`read_metadata` raised (DCP reports it only as an AssertionError's text)
+        self.metadata_error: BaseException | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self._parsed = None
+        self._files = {}
+
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP would fall back to rank-local metadata
+        self.metadata_error = None
+        try:
+            self._parsed = read_dcp_metadata(self.path)
+        except Exception as exc:
+            self.metadata_error = exc
+            raise
+        return self._parsed.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._parsed is None or self._parsed.metadata is not metadata:
+            self._parsed = read_dcp_metadata(self.path)
+        self._files = open_chunk_files(self.path, self._parsed)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _check(self, item: ReadItem, dest: torch.Tensor) -> None:
+        assert self._parsed is not None
+        fqn = item.storage_index.fqn
+        stored = to_torch_dtype(self._parsed.dtypes[fqn], name=fqn)
+        if dest.dtype != stored:
+            raise DtypeError(f"{self.path}: {fqn!r} is stored as {stored}, the state_dict entry it loads into is "
+                             f"{dest.dtype}; load into a {stored} template and cast it yourself")
+        if list(dest.shape) != [int(n) for n in item.lengths]:
+            raise ShapeMismatchError(f"{self.path}: {fqn!r}: a box of shape {list(item.lengths)} resolved to a "
+                                     f"destination of shape {list(dest.shape)}")
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self._parsed is not None
+        parsed = self._parsed
+        tensor_items = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            dest = planner.resolve_tensor(item).detach()
+            self._check(item, dest)
+            tensor_items.append((item, dest))
+        for item in plan.items:  # every check passed: nothing was filled before this point
+            if item.type == LoadItemType.BYTE_IO:
+                _set_object(planner, item, parsed.objects[item.storage_index.fqn])
+        seen: set[tuple] = set()
+        batch: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None, BoxRead]] = []
+        bounce = 0
+        for item, dest in tensor_items:
+            index = item.storage_index
+            offsets = tuple(int(o) for o in (index.offset or ()))
+            loc = parsed.chunks[(index.fqn, offsets)]
+            md = parsed.metadata.state_dict_metadata[index.fqn]
+            chunk = next(c for c in md.chunks if tuple(int(o) for o in c.offsets) == offsets)  # type: ignore[union-attr]
+            if dest.numel() == 0:
+                planner.commit_tensor(item, dest)
+                continue
+            key = (dest.untyped_storage().data_ptr(), dest.storage_offset(), tuple(dest.stride()), loc,
+                   tuple(item.storage_offsets), tuple(item.lengths)) if dest.device.type == "cpu" else None
+            if key is not None and key in seen:  # a tied destination already receives these bytes
+                planner.commit_tensor(item, dest)
+                continue
+            if key is not None:
+                seen.add(key)
+            buf = destination_buffer(dest)
+            tmp = None
+            if buf is None:
+                tmp = torch.empty(dest.shape, dtype=dest.dtype)
+                buf = tmp.reshape(-1).view(torch.uint8).numpy()
+                bounce += tmp.numel() * tmp.element_size()
+            read = BoxRead(loc.file, loc.name, [int(s) for s in chunk.sizes], [int(o) for o in item.storage_offsets],
+                           [int(n) for n in item.lengths], dest.element_size(), buf)
+            batch.append((item, dest, tmp, read))
+            if bounce >= _BOUNCE_BYTES:
+                self._flush(batch, planner)
+                batch, bounce = [], 0
+        self._flush(batch, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _flush(self, batch: list, planner: LoadPlanner) -> None:
+        read_boxes(self._files, [b[3] for b in batch], threads=self.threads)
+        for item, dest, tmp, _ in batch:
+            if tmp is not None:
+                dest.copy_(tmp)
+            planner.commit_tensor(item, dest)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+

@@ -1,0 +1,243 @@
+"""``fastckpt.dcp.StorageWriter``: DCP's storage writer on the Rust core, atomic and pickle-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from fastckpt import _core
+from fastckpt._format.codec import encode
+from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
+from fastckpt._format.tensors import tensor_sources
+from fastckpt._io.commit import check_target, fsync_dir, write_text
+from fastckpt._io.integrity import digest_entry, text_entry
+from fastckpt._io.layout import MANIFEST, manifest_dict
+from fastckpt._io.staging import OwnedPath, clean_leftovers
+
+__all__ = ["StorageWriter", "shard_file_name"]
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    """``shard-00000-of-00002.safetensors``: the chunks rank ``rank`` writes (ranks count from 0)."""
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def _chunk_name(fqn: str, offsets: Any, sizes: Any, full: Any) -> str:
+    offs = [int(o) for o in offsets]
+    if list(sizes) == list(full) and not any(offs):
+        return fqn
+    return f"{fqn}@{','.join(map(str, offs))}"
+
+
+def _view_key(t: torch.Tensor) -> tuple | None:
+    if t.device.type != "cpu" or t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _encode_object(fqn: str, obj: Any) -> Any:
+    if callable(obj) and not isinstance(obj, torch.Tensor):
+        raise TypeError(f"{fqn} is a {type(obj).__module__}.{type(obj).__qualname__} (a callable), which fastckpt "
+                        "cannot store without pickle")
+    return encode(obj, path=fqn)
+
+
+class StorageWriter(_DCPStorageWriter):
+    """Writes a ``torch.distributed.checkpoint`` save as safetensors files through fastckpt's Rust core.
+
+    Each rank writes its chunks into one file ``shard-{rank}-of-{world}.safetensors`` (parallel positional writes
+    straight from tensor memory, GIL released, crc32c while writing); the coordinator writes
+    ``dcp_metadata.json`` (see :mod:`fastckpt._format.dcp_metadata`) and, with ``commit=True``, the manifest
+    ``fastckpt.json``, then puts the folder in place in one step.
+
+    Args:
+        path: the checkpoint folder. With ``commit=True`` (default) it is replaced whole and atomically: the ranks
+            write into a staging folder beside it that the coordinator creates at planning time (its name reaches
+            the other ranks through the plan's ``storage_data``), and ``finish`` commits it; a save that fails or
+            is killed on any rank leaves the previous folder as it was. With ``commit=False`` the files go
+            straight into ``path`` (created if missing; every rank must see the same folder), no manifest is
+            written and nothing is committed: for a folder inside a checkpoint an outer save is staging
+            (``fastckpt.save_state``), which commits everything at once. :attr:`files` then holds the manifest
+            entries of what was written.
+        threads: writer threads per rank (0 = min(8, cores)).
+        durable: fsync every file and folder (and the parent after the commit).
+        commit: see ``path``.
+
+    Raises (inside ``dcp.save``, wrapped by DCP in its ``CheckpointException``; :func:`fastckpt.dcp.save`
+    re-raises the original):
+        TypeError: a non-tensor value that needs pickle (names its key).
+        DtypeError: a tensor dtype the safetensors format cannot store.
+        ValueError / NotADirectoryError: ``path`` is the root, a parent of the working directory, or a file.
+        OSError: the disk failed (names the file); the previous checkpoint is intact.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 0, durable: bool = True,
+                 commit: bool = True) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.threads = threads
+        self.durable = durable
+        self.commit = commit
+        #: after ``finish`` on the coordinator: ``{file name: manifest entry}`` (bytes, crc32c, tensors) of every
+        #: file written into the folder (``dcp_metadata.json`` included); names are relative to ``path``.
+        self.files: dict[str, dict[str, Any]] = {}
+        self.is_coordinator = False
+        self._owner: OwnedPath | None = None
+        self._finalizer: Any = None
+        self._save_id = ""
+
+    def __getstate__(self) -> dict[str, Any]:  # the process checkpointer pickles the writer (before any save)
+        state = self.__dict__.copy()
+        state["_owner"] = None
+        state["_finalizer"] = None
+        return state
+
+    # -- DCP's protocol --------------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.abort()
+        self.files = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset() only when dcp.save gets a checkpoint_id: start every save from a clean slate here
+        self.abort()
+        self.files = {}
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        self._save_id = uuid.uuid4().hex  # DCP asks once per save, first thing
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self._save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: create the folder every rank writes into and tell each rank its file name."""
+        if self.commit:
+            target = check_target(self.path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(target.parent)
+            owner = OwnedPath(target.parent, target.name)
+            owner.path.mkdir()
+            self._owner = owner
+            self._finalizer = weakref.finalize(self, owner.release)
+            folder = owner.path
+        else:
+            folder = Path(os.path.abspath(self.path))
+            folder.mkdir(parents=True, exist_ok=True)
+        n = len(plans)
+        return [dataclasses.replace(p, storage_data={"folder": str(folder), "file": shard_file_name(i, n)})
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: encode the non-tensor values, then write this rank's chunks in one parallel pass."""
+        info = plan.storage_data
+        folder, file = Path(info["folder"]), info["file"]
+        results: list[WriteResult] = []
+        tensors: dict[str, torch.Tensor] = {}
+        tensor_items = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                lookup = getattr(planner, "lookup_object", None)
+                if lookup is None:
+                    raise TypeError(f"{item.index.fqn}: the planner {type(planner).__name__} has no lookup_object(); "
+                                    "fastckpt needs the raw value to store it without pickle")
+                value = _encode_object(item.index.fqn, lookup(item.index))
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data={"object": value}))
+            else:
+                tensor_items.append(item)
+        names: dict[tuple, str] = {}
+        for item in tensor_items:
+            t = planner.resolve_data(item)
+            if not isinstance(t, torch.Tensor):  # pragma: no cover - DCP resolves tensor items to tensors
+                raise TypeError(f"{item.index.fqn}: the planner resolved a tensor item to {type(t).__name__}")
+            t = t.detach()
+            chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+            offsets = item.index.offset or torch.Size([0] * t.dim())
+            full = item.tensor_data.size if item.tensor_data is not None else t.shape
+            if chunk is not None and tuple(t.shape) != tuple(chunk.sizes):
+                raise ValueError(f"{item.index.fqn}: the planner resolved a chunk of shape {list(t.shape)}, "
+                                 f"its plan says {list(chunk.sizes)}")
+            key = _view_key(t)
+            name = names.get(key) if key is not None else None
+            if name is None:  # a tied weight's second name points at the first one's bytes
+                name = _chunk_name(item.index.fqn, offsets, t.shape, full)
+                while name in tensors:
+                    name += "'"
+                tensors[name] = t
+                if key is not None:
+                    names[key] = name
+            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
+                                       storage_data={"file": file, "name": name}))
+        digest = None
+        if tensors:
+            sources = tensor_sources(tensors)
+            digest = _core.write_files_checked([(str(folder / file), sources, [("format", "pt")])],
+                                               durable=self.durable, threads=self.threads)[0]
+        entry = None if digest is None else (file, digest)
+        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digest": entry}) for r in results]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write ``dcp_metadata.json`` (and the manifest), fsync, commit in one step."""
+        folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
+        chunks: dict[tuple[str, tuple[int, ...]], ChunkLocation] = {}
+        objects: dict[str, Any] = {}
+        files: dict[str, dict[str, Any]] = {}
+        for rank_results in results:
+            for r in rank_results:
+                data = r.storage_data
+                if data.get("digest") is not None:
+                    name, digest = data["digest"]
+                    files[name] = {"bytes": digest[0], **digest_entry(digest)}
+                if "object" in data:
+                    objects[r.index.fqn] = data["object"]
+                else:
+                    index: MetadataIndex = r.index
+                    offsets = tuple(int(o) for o in (index.offset or ()))
+                    chunks[(index.fqn, offsets)] = ChunkLocation(data["file"], data["name"])
+        text = metadata_json(metadata, chunks, objects).encode("utf-8")
+        write_text(folder / METADATA_FILE, text, self.durable)
+        files[METADATA_FILE] = {"bytes": len(text), **text_entry(text)}
+        self.files = files
+        if not self.commit:
+            if self.durable:
+                fsync_dir(folder)
+            return
+        sizes = {name: entry["bytes"] for name, entry in files.items()}
+        checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
+        manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)
+        write_text(folder / MANIFEST, json.dumps(manifest, indent=2), self.durable)
+        if self.durable:
+            fsync_dir(folder)
+        target = check_target(self.path)
+        _core.commit_dir(str(folder), str(target), durable=self.durable)
+        self.abort()  # nothing is left at the staging path now: drops the lock file
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- fastckpt's own --------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Remove the staging folder of a save that did not finish (DCP does not tell the writer when another rank
+        failed; the next ``reset`` and :func:`fastckpt.dcp.save` call this). Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()  # releases the owner once
+            self._finalizer = None
+        self._owner = None

@@ -1,0 +1,165 @@
+"""One process of the FSDP2 tests (``torchrun --nproc-per-node W``, gloo, CPU); tests/integrations/test_fsdp.py
+launches it once per world size and asserts on what each rank writes to ``OUT/w{W}_rank{r}.json``.
+
+Usage: ``python -m torch.distributed.run --standalone --nproc-per-node W mp_fsdp_worker.py OUT``
+
+Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; ``tiny``: uneven shards):
+
+- train: 3 FSDP2 steps equal, bit for bit, the same training in one plain process (``train_{kind}``).
+- save: full (``OUT/w{W}_{kind}``) and model-only (``OUT/w{W}_{kind}_weights``) sharded saves.
+- load: the 2-rank checkpoints (``OUT/w2_{kind}``) into fresh FSDP2 objects: state equal to the saved one, and the
+  next step equal to the plain run's 4th (``load_{kind}``); model-only load of the full folder; resharding on W=4.
+- model_only: a full load of a model-only folder raises MissingStateError on every rank, nothing changes.
+- failure: rank 1's RNG file damaged -> HeaderError there, CheckpointError elsewhere; a shape mismatch raises
+  ShapeMismatchError on every rank; nothing changes on any rank.
+- timeout (W >= 2): rank 1 skips a save; the others raise CollectiveTimeoutError naming it, within ``timeout``;
+  when rank 1 then calls it, it raises too (the save was given up), and the next save works on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fastckpt  # noqa: E402
+from helpers.fsdp_models import build, diff, full_state, optimizer_for, reference, same, shard, train_step  # noqa: E402
+
+OUT = Path(sys.argv[1])
+checks: dict[str, object] = {}
+
+
+def fresh(kind: str, seed: int = 7, **sizes: int):
+    model = shard(build(kind, seed, **sizes))
+    opt, sched = optimizer_for(model)
+    return model, opt, sched
+
+
+def record(name: str, fn) -> None:
+    try:
+        checks[name] = fn()
+    except Exception as exc:
+        checks[name] = {"error": type(exc).__name__, "message": str(exc)[:600]}
+
+
+def error_of(fn) -> dict[str, str]:
+    try:
+        fn()
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)[:800]}
+    return {"error": None, "message": ""}
+
+
+def scenario_train_save(kind: str, rank: int, world: int) -> None:
+    model, opt, sched = fresh(kind, seed=0)
+    for s in range(3):
+        train_step(model, opt, sched, s, rank=rank, world=world)
+    ref_model, ref_opt, ref_sched = reference(kind, 3)
+    got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+    checks[f"train_{kind}"] = same(got, want) or diff(got, want)[:5]
+    torch.manual_seed(100 + rank)  # each rank's own RNG streams go to random_states_{rank}
+    path = fastckpt.save_state(model, opt, sched, output_dir=OUT / f"w{world}_{kind}", step=3)
+    checks[f"save_{kind}"] = str(path)
+    fastckpt.save_state(model, opt, sched, output_dir=OUT / f"w{world}_{kind}_weights", model_only=True)
+    train_step(model, opt, sched, 3, rank=rank, world=world)
+    ref4 = reference(kind, 4)
+    checks[f"next_{kind}"] = same(full_state(model, opt), full_state(ref4[0], ref4[1]))
+
+
+def scenario_load(kind: str, rank: int, world: int) -> None:
+    src = OUT / f"w2_{kind}"
+    model, opt, sched = fresh(kind)
+    rng_before = torch.get_rng_state()
+    result = fastckpt.load_state(model, opt, sched, input_dir=src)
+    if rank < 2:  # the saving run had ranks 0 and 1: their RNG streams come back; ranks 2, 3 keep theirs
+        checks[f"load_{kind}_rng"] = torch.equal(torch.get_rng_state(),
+                                                 torch.Generator().manual_seed(100 + rank).get_state())
+    else:
+        checks[f"load_{kind}_rng"] = torch.equal(torch.get_rng_state(), rng_before)
+    ref_model, ref_opt, ref_sched = reference(kind, 3)
+    got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+    checks[f"load_{kind}"] = same(got, want) or diff(got, want)[:5]
+    checks[f"load_{kind}_result"] = [result.missing_keys, result.unexpected_keys]
+    checks[f"load_{kind}_sched"] = sched.state_dict() == ref_sched.state_dict()
+    train_step(model, opt, sched, 3, rank=rank, world=world)
+    ref4 = reference(kind, 4)
+    checks[f"load_{kind}_next"] = same(full_state(model, opt), full_state(ref4[0], ref4[1]))
+    # weights only, from the full folder and from the model-only one
+    for name, folder in (("full", src), ("weights", OUT / f"w2_{kind}_weights")):
+        m2, o2, _ = fresh(kind)
+        fastckpt.load_state(m2, input_dir=folder, model_only=True)
+        checks[f"load_{kind}_model_only_{name}"] = same(full_state(m2, None), full_state(ref_model, None))
+
+
+def scenario_model_only_rules(rank: int) -> None:
+    model, opt, sched = fresh("tiny")
+    before = full_state(model, opt)
+    checks["model_only_full_load"] = error_of(
+        lambda: fastckpt.load_state(model, opt, sched, input_dir=OUT / "w2_tiny_weights"))
+    checks["model_only_unchanged"] = same(full_state(model, opt), before) and not opt.state
+
+
+def scenario_failures(rank: int, world: int) -> None:
+    src = OUT / "w2_tiny"
+    bad = OUT / f"w{world}_tiny_bad_rng"
+    if rank == 0:  # a copy whose random_states_1 is damaged (only rank 1 reads it)
+        shutil.copytree(src, bad, copy_function=os.link)  # hard links: the source files are never modified
+        name = bad / "random_states_1.safetensors"
+        data = bytearray(name.read_bytes())
+        name.unlink()
+        data[0:8] = (2**40).to_bytes(8, "little")
+        name.write_bytes(bytes(data))
+    dist.barrier()
+    model, opt, sched = fresh("tiny")
+    before = (full_state(model, opt), sched.state_dict(), torch.get_rng_state())
+    checks["bad_rng"] = error_of(lambda: fastckpt.load_state(model, opt, sched, input_dir=bad))
+    checks["bad_rng_unchanged"] = (same(full_state(model, opt), before[0]) and not opt.state
+                                   and sched.state_dict() == before[1] and torch.equal(torch.get_rng_state(), before[2]))
+    wide, wopt, wsched = fresh("tiny", dim=14)
+    before = full_state(wide, wopt)
+    checks["shape"] = error_of(lambda: fastckpt.load_state(wide, wopt, wsched, input_dir=src))
+    checks["shape_unchanged"] = same(full_state(wide, wopt), before) and not wopt.state
+
+
+def scenario_timeout(rank: int, world: int) -> None:
+    model, opt, sched = fresh("tiny")
+    target = OUT / f"w{world}_timeout"
+    if rank != 1:
+        checks["timeout"] = error_of(lambda: fastckpt.save_state(model, opt, sched, output_dir=target, timeout=3))
+    dist.barrier()  # rank 1 arrives after the others gave up
+    if rank == 1:
+        checks["timeout"] = error_of(lambda: fastckpt.save_state(model, opt, sched, output_dir=target, timeout=3))
+    checks["timeout_nothing_written"] = not target.exists()
+    path = fastckpt.save_state(model, opt, sched, output_dir=target, timeout=30)
+    checks["timeout_then_saved"] = (path / "fastckpt.json").is_file()
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        for kind in ("gpt2", "tiny"):
+            record(f"scenario_save_{kind}", lambda kind=kind: scenario_train_save(kind, rank, world))
+            if world != 2:
+                record(f"scenario_load_{kind}", lambda kind=kind: scenario_load(kind, rank, world))
+        if world != 2:
+            record("scenario_model_only", lambda: scenario_model_only_rules(rank))
+            record("scenario_failures", lambda: scenario_failures(rank, world))
+        if world >= 2:
+            record("scenario_timeout", lambda: scenario_timeout(rank, world))
+    except Exception:
+        checks["crash"] = traceback.format_exc()
+    (OUT / f"w{world}_rank{rank}.json").write_text(json.dumps(checks, indent=1, default=str))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""fastckpt.dcp under real processes (``torchrun``, gloo, CPU): a state of every dtype, tied weights, uneven shards
+and non-tensor values saved as DTensors on 2 ranks loads bit-exact on 1, 2 and 4 ranks in other placements, equal to
+a single-process save; ``dcp.async_save`` works with both checkpointers; a re-save that fails on one rank raises on
+both and leaves the previous checkpoint exact; a dtype mismatch raises DtypeError on every rank and changes nothing; a rank
+SIGKILLed mid-save leaves the previous checkpoint exact and the other rank exits with an error.
+The scenarios run in tests/helpers/dcp_worker.py: each world size starts once (2 ranks ~20 s, 4 ranks ~15 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.dcp_state import full_state, mismatches, same, template
+from safetensors import safe_open
+
+import fastckpt.dcp
+from fastckpt._io.staging import leftovers
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dcp_worker.py"
+
+
+def _launch(out: Path, world: int, mode: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error")
+    env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world), str(WORKER), str(out), mode], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _torchrun(out: Path, world: int, mode: str) -> list[dict]:
+    proc = _launch(out, world, mode)
+    files = [out / f"{mode}-rank{r}.json" for r in range(world)]
+    results = [json.loads(f.read_text()) for f in files if f.is_file()]
+    assert proc.returncode == 0 and len(results) == world, proc.stdout[-3000:] + proc.stderr[-6000:]
+    crashes = [f"rank {r}:\n{res['crash']}" for r, res in enumerate(results) if "crash" in res]
+    assert not crashes, "\n".join(crashes)
+    return results
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not torch.distributed.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    out = tmp_path_factory.mktemp("dcp")
+    saved = _torchrun(out, 2, "save")
+    loaded = _torchrun(out, 4, "load")
+    killed = _launch(out, 2, "kill")
+    return out, saved, loaded, killed
+
+
+def test_two_ranks_reload_in_another_placement(run):
+    _, saved, _, _ = run
+    assert [r["A_dim1"] for r in saved] == [[], []]
+
+
+def test_four_ranks_load_a_two_rank_save(run):
+    _, _, loaded, _ = run
+    assert [(r["L_dim0"], r["L_dim1"]) for r in loaded] == [([], [])] * 4
+
+
+def test_one_process_loads_a_two_rank_save_like_a_single_process_save(run, tmp_path):
+    out, _, _, _ = run
+    reference = full_state()
+    fastckpt.dcp.save(reference, tmp_path / "single")
+    from_ranks, from_single = template(reference), template(reference)
+    fastckpt.dcp.load(from_ranks, out / "A")
+    fastckpt.dcp.load(from_single, tmp_path / "single")
+    assert mismatches(reference, from_ranks) == []
+    assert same(from_ranks, from_single)
+    assert from_ranks["head"] is from_ranks["emb"]  # the template's tie is untouched
+
+
+def test_two_rank_folder_layout(run):
+    out, _, _, _ = run
+    names = sorted(p.name for p in (out / "A").iterdir())
+    assert names == ["dcp_metadata.json", "fastckpt.json", "shard-00000-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors"]
+    meta = json.loads((out / "A" / "dcp_metadata.json").read_text())
+    emb, head = meta["state_dict"]["emb"]["tensor"], meta["state_dict"]["head"]["tensor"]
+    assert [c["offsets"] for c in emb["chunks"]] == [[0, 0], [5, 0]]
+    assert [(c["file"], c["name"]) for c in head["chunks"]] == [(c["file"], c["name"]) for c in emb["chunks"]]
+    stored = set()
+    for f in ("shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"):
+        with safe_open(out / "A" / f, "pt") as sf:
+            stored |= {(f, k) for k in sf.keys()}
+    assert not any(k.startswith("head") for _, k in stored)  # the tied weight is stored once
+    assert fastckpt.verify_checkpoint(out / "A").ok
+
+
+@pytest.mark.parametrize("folder", ["B", "C"])
+def test_async_save_thread_and_process_checkpointers(run, folder):
+    _, saved, _, _ = run
+    assert [r[f"{folder}_dim0"] for r in saved] == [[], []]
+
+
+def test_failed_resave_on_one_rank_leaves_the_previous_checkpoint(run):
+    out, saved, _, _ = run
+    for rank, res in enumerate(saved):
+        assert res["F_io"] == "OSError: [Errno 5] injected I/O error: 'shard'", rank
+        assert res["F_raw"] == "CheckpointException[OSError]", rank
+        assert res["F_pickle"].startswith("TypeError: opaque is a types.SimpleNamespace"), rank
+        assert res["F_io_left"] == res["F_raw_left"] == res["F_pickle_left"] == [], rank
+        assert res["F_io_leftovers"] == [] and res["F_after_leftovers"] == [], rank
+        assert res["F_after"] == [], rank
+    assert [name for name in leftovers(out) if name.startswith(".F.")] == []
+    reloaded = template(full_state(2))
+    fastckpt.dcp.load(reloaded, out / "F")
+    assert mismatches(full_state(2), reloaded) == []
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(run):
+    out, _, _, killed = run
+    assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-4000:]
+    assert "Signal 9 (SIGKILL)" in killed.stderr  # rank 1 died ...
+    assert "[rank0]: Traceback" in killed.stderr  # ... and rank 0 exited with an error instead of hanging
+    reloaded = template(full_state(1))
+    fastckpt.dcp.load(reloaded, out / "K")
+    assert mismatches(full_state(1), reloaded) == []
+    # rank 0 (the coordinator, owner of the staging folder) removed it on its way out
+    assert not any(name.startswith(".K.") for name in leftovers(out))
+    fastckpt.dcp.save(full_state(2), out / "K")
+    reloaded = template(full_state(2))
+    fastckpt.dcp.load(reloaded, out / "K")
+    assert mismatches(full_state(2), reloaded) == []
+
+
+def test_dtype_mismatch_raises_on_every_rank_and_changes_nothing(run):
+    _, saved, _, _ = run
+    for rank, res in enumerate(saved):
+        assert res["D_error"].startswith("DtypeError: "), rank
+        assert "'w' is stored as torch.float32" in res["D_error"] and "torch.float64" in res["D_error"], rank
+        assert res["D_changed"] == [] and res["D_values"] == [None, None], rank
+        assert res["D1_error"].startswith("DtypeError: 'f16' is stored as torch.float16"), rank
+        assert res["D1_changed"] == [], rank  # rank 0's template was right, and it still read nothing
+
+
+
+def test_consolidating_the_two_rank_save_equals_the_single_process_one(run, tmp_path):
+    from fastckpt.cli import main
+
+    out, _, _, _ = run
+    fastckpt.dcp.save(full_state(), tmp_path / "single")
+    assert main(["consolidate", str(out / "A"), str(tmp_path / "from_ranks")]) == 0
+    assert main(["consolidate", str(tmp_path / "single"), str(tmp_path / "from_single")]) == 0
+    views = []
+    for folder in ("from_ranks", "from_single"):
+        with safe_open(tmp_path / folder / "model.safetensors", "pt") as f:
+            views.append(({k: f.get_tensor(k) for k in f.keys()}, f.metadata()))
+    assert same(views[0], views[1])
+    assert (tmp_path / "from_ranks" / "model.safetensors").read_bytes() == \
+        (tmp_path / "from_single" / "model.safetensors").read_bytes()

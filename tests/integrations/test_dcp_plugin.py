@@ -1,0 +1,180 @@
+"""fastckpt.dcp in one process: exact round trips of every dtype and non-tensor value through DCP, a folder with no
+pickle in it, TypeError for values that need pickle, atomic re-saves, the ``commit=False`` mode an outer save uses,
+and loads that refuse hostile or inconsistent folders before filling anything."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers.dcp_state import full_state, mismatches, template
+from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+
+import fastckpt.dcp
+import fastckpt.torch
+from fastckpt import _core
+from fastckpt.errors import DtypeError, HeaderError, IntegrityError, MissingStateError
+
+single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    fastckpt.dcp.save(full_state(), tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@single_process
+def test_round_trip_through_plain_dcp_calls(tmp_path):
+    state = full_state()
+    dcp.save(state, storage_writer=fastckpt.dcp.StorageWriter(tmp_path / "c", threads=3))
+    got = template(state)
+    dcp.load(got, storage_reader=fastckpt.dcp.StorageReader(tmp_path / "c", threads=2))
+    assert mismatches(state, got) == []
+    assert got["extra"]["t"] == (1, 2.5, None) and got["extra"]["big"] == 2**70
+
+
+def test_folder_holds_no_pickle(saved):
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == ["dcp_metadata.json", "fastckpt.json", "shard-00000-of-00001.safetensors"]  # no .metadata
+    for name in names:
+        data = (saved / name).read_bytes()
+        assert not data.startswith(b"\x80")  # a pickle (protocol 2+) starts with PROTO
+        if name.endswith(".json"):
+            json.loads(data)  # all of it is JSON text
+            continue
+        _, entries, data_start = _core.parse_header(data)
+        with safe_open(saved / name, "pt") as f:
+            assert set(f.keys()) == {e[0] for e in entries}
+        assert data_start + sum(end - begin for *_, begin, end in entries) == len(data)  # nothing hidden
+
+
+@pytest.mark.parametrize("value", [object(), lambda: 1, {"inner": {1, object()}}])
+def test_values_that_need_pickle_are_a_type_error_naming_the_key(tmp_path, value, saved):
+    before = (saved / "dcp_metadata.json").read_bytes()
+    with pytest.raises(TypeError, match=r"^bad"):
+        fastckpt.dcp.save({"w": torch.ones(2), "bad": value}, saved)
+    assert (saved / "dcp_metadata.json").read_bytes() == before
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["ckpt"]
+
+
+def test_resave_replaces_the_folder_whole(saved):
+    fastckpt.dcp.save({"only": torch.arange(3)}, saved)
+    got = {"only": torch.zeros(3, dtype=torch.int64)}
+    fastckpt.dcp.load(got, saved)
+    assert torch.equal(got["only"], torch.arange(3))
+    assert "w" not in json.loads((saved / "dcp_metadata.json").read_text())["state_dict"]
+
+
+def test_commit_false_writes_into_a_staged_folder(tmp_path):
+    staging = tmp_path / ".outer-staging" / "model"
+    writer = fastckpt.dcp.StorageWriter(staging, commit=False)
+    fastckpt.dcp.save(full_state(), staging, writer=writer)
+    names = sorted(p.name for p in staging.iterdir())
+    assert names == ["dcp_metadata.json", "shard-00000-of-00001.safetensors"]  # no manifest, nothing renamed
+    assert sorted(writer.files) == names
+    for name, entry in writer.files.items():
+        data = (staging / name).read_bytes()
+        assert entry["bytes"] == len(data) and entry["crc32c"] == f"{_core.crc32c(data):08x}"
+    got = template(full_state())
+    fastckpt.dcp.load(got, staging)
+    assert mismatches(full_state(), got) == []
+
+
+@single_process
+def test_dtype_mismatch(saved):
+    got = template(full_state())
+    got["bf"] = torch.zeros(9, 2)
+    with pytest.raises(DtypeError, match=r"'bf' is stored as torch.bfloat16.*torch.float32"):
+        fastckpt.dcp.load(got, saved)
+    assert all(not v.any() for k, v in got.items() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+               and v.dtype.itemsize > 1)
+    with pytest.raises(CheckpointException) as info:  # plain dcp.load: DCP wraps it
+        dcp.load(got, storage_reader=fastckpt.dcp.StorageReader(saved))
+    assert isinstance(fastckpt.dcp.original_error(info.value), DtypeError)
+
+
+def _meta(saved: Path) -> dict:
+    return json.loads((saved / "dcp_metadata.json").read_text())
+
+
+def _hostile(saved: Path, kind: str) -> bytes:
+    doc = _meta(saved)
+    chunk = doc["state_dict"]["w"]["tensor"]["chunks"][0]
+    if kind == "not json":
+        return b"{not json"
+    if kind == "array":
+        return b"[1, 2]"
+    if kind == "deep":
+        return b'{"format": "fastckpt-dcp", "format_version": 1, "state_dict": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    if kind == "version":
+        doc["format_version"] = 99
+    elif kind == "escape":
+        chunk["file"] = "../../etc/passwd"
+    elif kind == "past size":
+        chunk["offsets"] = [5, 0]
+    elif kind == "negative":
+        chunk["sizes"] = [-1, 5]
+    elif kind == "dims":
+        chunk["sizes"] = [7]
+    elif kind == "dtype":
+        doc["state_dict"]["w"]["tensor"]["dtype"] = "F128"
+    elif kind == "tag":
+        doc["state_dict"]["step"] = {"object": {"__numpy__": ["<zz", 1]}}
+    elif kind == "kind":
+        doc["state_dict"]["step"] = {"pickle": "gASVAAAA"}
+    elif kind == "duplicate chunk":
+        doc["state_dict"]["w"]["tensor"]["chunks"].append(dict(chunk))
+    elif kind == "hole":
+        chunk["sizes"] = [3, 5]
+    elif kind == "overlap":
+        chunk["sizes"] = [4, 5]
+        doc["state_dict"]["w"]["tensor"]["chunks"].append(dict(chunk, offsets=[2, 0], sizes=[3, 5], name="w2"))
+    return json.dumps(doc).encode()
+
+
+HOSTILE = ["not json", "array", "deep", "version", "escape", "past size", "negative", "dims", "dtype", "tag", "kind",
+           "duplicate chunk", "hole", "overlap"]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_metadata_is_a_header_error(saved, kind):
+    os.chmod(saved / "dcp_metadata.json", 0o644)
+    (saved / "dcp_metadata.json").write_bytes(_hostile(saved, kind))
+    with pytest.raises(HeaderError, match="dcp_metadata.json"):
+        fastckpt.dcp.StorageReader(saved).read_metadata()
+    got = template(full_state())
+    with pytest.raises(HeaderError):
+        fastckpt.dcp.load(got, saved)
+    assert not got["w"].any()
+
+
+def test_a_file_that_disagrees_with_the_metadata_is_refused_before_any_read(saved):
+    shard = saved / "shard-00000-of-00001.safetensors"
+    with safe_open(shard, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["w"] = tensors["w"].double()
+    fastckpt.torch.save_file(tensors, shard)
+    (saved / "fastckpt.json").unlink()  # sizes differ now; look past the manifest at the header check
+    got = template(full_state())
+    with pytest.raises(HeaderError, match=r"shard-00000-of-00001.safetensors: tensor 'w' is F64 \[7, 5\]"):
+        fastckpt.dcp.load(got, saved)
+    assert not got["emb"].any()
+
+
+def test_missing_and_truncated_files(saved, tmp_path):
+    shard = saved / "shard-00000-of-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    with pytest.raises(IntegrityError, match="shard-00000-of-00001.safetensors"):
+        fastckpt.dcp.load(template(full_state()), saved)
+    shard.unlink()
+    with pytest.raises(MissingStateError, match="shard-00000-of-00001.safetensors"):
+        fastckpt.dcp.load(template(full_state()), saved)
+    with pytest.raises(MissingStateError, match="dcp_metadata.json"):
+        fastckpt.dcp.load(template(full_state()), tmp_path / "nothing")

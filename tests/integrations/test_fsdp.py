@@ -1,0 +1,176 @@
+"""FSDP2 / DTensor states through ``fastckpt.save_state`` / ``load_state``: real processes (torchrun, gloo, CPU), a
+tiny transformers GPT-2 (tied wte / lm_head) and a GPT-like model with uneven shards, ``fully_shard`` per block.
+
+Each world size starts once (tests/helpers/mp_fsdp_worker.py runs every scenario inside it): 2 processes train,
+save (full and model-only) and check timeouts; 4 processes train and save too, load the 2-process checkpoints
+(resharding), check the model-only rules and that a failure on one rank changes nothing anywhere; 1 process (this
+one, no process group) loads both into plain models. Every comparison is bit-exact against the same training in one
+plain process (tests/helpers/fsdp_models.py explains why FSDP2 training is bit-identical to it here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch as st
+import torch
+from helpers.fsdp_models import build, full_state, optimizer_for, reference, same, train_step
+
+import fastckpt
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_fsdp_worker.py"
+KINDS = ("gpt2", "tiny")
+
+
+def _launch(out: Path, world: int) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world), str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    files = [out / f"w{world}_rank{r}.json" for r in range(world)]
+    assert proc.returncode == 0 and all(f.is_file() for f in files), proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = [json.loads(f.read_text()) for f in files]
+    crashes = [f"rank {r}: {res['crash']}" for r, res in enumerate(results) if "crash" in res]
+    assert not crashes, "\n".join(crashes)
+    failed = {f"rank {r}: {k}": v for r, res in enumerate(results) for k, v in res.items()
+              if k.startswith("scenario_") and v is not None}
+    assert not failed, failed
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    two = _launch(out, 2)
+    four = _launch(out, 4)  # loads the 2-process checkpoints
+    return out, {2: two, 4: four}
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference runs used one thread: same kernels, same bits
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp_training_is_bit_exact_to_one_process(runs, world, kind):
+    _, results = runs
+    for rank, res in enumerate(results[world]):
+        assert res[f"train_{kind}"] is True, (rank, res[f"train_{kind}"])
+        assert res[f"next_{kind}"] is True, rank
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_folder_layout(runs, kind):
+    out, _ = runs
+    folder = out / f"w2_{kind}"
+    names = {p.name for p in folder.iterdir()}
+    assert {"fastckpt.json", "optimizer.json", "scheduler.json", "random_states_0.safetensors",
+            "random_states_1.safetensors"} <= names
+    manifest = json.loads((folder / "fastckpt.json").read_text())
+    assert manifest["mode"] == "full" and manifest["processes"] == 2 and manifest["step"] == 3
+    assert manifest["sharded"]["storage"] == "fastckpt.dcp" and manifest["sharded"]["world_size"] == 2
+    assert manifest["sharded"]["parts"] == ["model", "optimizer"]
+    assert set(manifest["files"]) == names - {"fastckpt.json", "model", "optimizer"}
+    # each part is a fastckpt.dcp folder: one safetensors file per rank + the JSON metadata, listed with sizes
+    for part in ("model", "optimizer"):
+        listed = {n.split("/", 1)[1] for n in manifest["sharded"]["files"] if n.startswith(part + "/")}
+        assert listed == {p.name for p in (folder / part).iterdir()}
+        assert {"shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"} <= listed
+    stored = set(st.load_file(folder / "model" / "shard-00000-of-00002.safetensors"))
+    assert not any(k.startswith("model.") for k in stored)  # the model part is keyed by fqn
+    if kind == "gpt2":  # the tie is found per parameter and stored once
+        assert manifest["sharded"]["aliases"] == [{"lm_head.weight": "transformer.wte.weight"}]
+        assert "config.json" in names
+    weights = out / f"w2_{kind}_weights"
+    wnames = {p.name for p in weights.iterdir()}
+    assert not wnames & {"optimizer", "optimizer.json", "scheduler.json", "random_states_0.safetensors"}
+    assert json.loads((weights / "fastckpt.json").read_text())["mode"] == "model_only"
+    for rank in (0, 1):  # each rank's own streams (seeded 100 + rank before the save)
+        assert torch.equal(st.load_file(folder / f"random_states_{rank}.safetensors")["torch"],
+                           torch.Generator().manual_seed(100 + rank).get_state())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_process_checkpoint_reshards_onto_four(runs, kind):
+    _, results = runs
+    for rank, res in enumerate(results[4]):
+        assert res[f"load_{kind}"] is True, (rank, res[f"load_{kind}"])
+        assert res[f"load_{kind}_result"] == [[], []]
+        assert res[f"load_{kind}_sched"] is True and res[f"load_{kind}_next"] is True, rank
+        assert res[f"load_{kind}_rng"] is True, rank
+        assert res[f"load_{kind}_model_only_full"] is True and res[f"load_{kind}_model_only_weights"] is True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_into_a_plain_model_in_one_process(runs, one_thread, world, kind):
+    out, _ = runs
+    model = build(kind, 9)
+    opt, sched = optimizer_for(model)
+    result = fastckpt.load_state(model, opt, sched, input_dir=out / f"w{world}_{kind}")
+    assert result == ([], [])
+    ref_model, ref_opt, ref_sched = reference(kind, 3)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    assert sched.state_dict() == ref_sched.state_dict()
+    train_step(model, opt, sched, 3)
+    train_step(ref_model, ref_opt, ref_sched, 3)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    weights = build(kind, 11)
+    fastckpt.load_state(weights, input_dir=out / f"w{world}_{kind}_weights", model_only=True)
+    assert same(full_state(weights, None), full_state(reference(kind, 3)[0], None))
+
+
+def test_full_load_of_model_only_folder_refused_everywhere(runs, one_thread):
+    out, results = runs
+    for res in results[4]:
+        assert res["model_only_full_load"]["error"] == "MissingStateError"
+        assert "optimizer.json" in res["model_only_full_load"]["message"]
+        assert res["model_only_unchanged"] is True
+    model = build("tiny", 3)
+    opt, sched = optimizer_for(model)
+    before = full_state(model, None)
+    with pytest.raises(fastckpt.MissingStateError, match="model_only=True"):
+        fastckpt.load_state(model, opt, sched, input_dir=out / "w2_tiny_weights")
+    assert same(full_state(model, None), before) and not opt.state
+
+
+def test_failure_on_one_rank_changes_nothing_anywhere(runs):
+    _, results = runs
+    for rank, res in enumerate(results[4]):
+        if rank == 1:
+            assert res["bad_rng"]["error"] == "HeaderError" and "random_states_1" in res["bad_rng"]["message"]
+        else:
+            assert res["bad_rng"]["error"] == "CheckpointError", res["bad_rng"]
+            assert "failed on process 1: HeaderError" in res["bad_rng"]["message"]
+        assert res["bad_rng_unchanged"] is True, rank
+        assert res["shape"]["error"] == "ShapeMismatchError" and "[37, 13]" in res["shape"]["message"]
+        assert res["shape_unchanged"] is True, rank
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_never_calls_makes_the_others_raise(runs, world):
+    _, results = runs
+    for rank, res in enumerate(results[world]):
+        assert res["timeout"]["error"] == "CollectiveTimeoutError", (rank, res["timeout"])
+        assert "waited 3 s at step 'arrive' for process(es) [1]" in res["timeout"]["message"], rank
+        assert res["timeout_nothing_written"] is True and res["timeout_then_saved"] is True, rank
+    assert "given up before this process arrived" in results[world][1]["timeout"]["message"]
+
+
+def test_consolidate_gives_a_hugging_face_folder(runs, one_thread, tmp_path):
+    out, _ = runs
+    from transformers import GPT2LMHeadModel
+
+    proc = subprocess.run([sys.executable, "-m", "fastckpt", "consolidate", str(out / "w2_gpt2"), str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert same(full_state(model, None), full_state(reference("gpt2", 3)[0], None))
