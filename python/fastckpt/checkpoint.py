@@ -121,11 +121,13 @@ def save_state(
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), a list, or None.
             Ignored when ``model_only``.
         output_dir: the checkpoint folder; replaced atomically if it exists (other files in it are kept).
-            None: ``{project_dir}/checkpoints/checkpoint_{n}``, n = largest present + 1.
+            None: ``{project_dir}/checkpoints/checkpoint_{n}``, n = largest present + 1; a model-only save goes to
+            ``{project_dir}/model_only/checkpoint_{n}``, numbered apart.
         model_only: write only the model files (+ ``config.json`` for a model with a config) and the manifest.
         project_dir: root for automatic naming; defaults to the current directory.
-        total_limit: with automatic naming, keep only the newest ``total_limit`` checkpoints (numeric order),
-            removed after the new one is committed.
+        total_limit: with automatic naming, keep only the newest ``total_limit`` checkpoints of the kind saved
+            (full checkpoints and model-only snapshots are counted apart; numeric order), removed after the new
+            one is committed.
         step: a training step counter stored with the RNG states and in the manifest.
         durable: fsync every file and folder before returning (default True; False is faster, not crash-safe).
         threads: writer threads; 0 picks min(8, cores).
@@ -171,15 +173,16 @@ def save_state(
                            model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat)
     auto = output_dir is None
     root = Path(project_dir if project_dir is not None else os.getcwd())
-    target = next_checkpoint_dir(root) if auto else Path(output_dir)
+    target = next_checkpoint_dir(root, model_only=model_only) if auto else Path(output_dir)
     if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
         write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-        rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
+        rotate = (functools.partial(rotate_checkpoints, root, total_limit, model_only=model_only)
+                  if auto and total_limit is not None else None)
         handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
         return handle if async_save else handle.wait()
     write_checkpoint(plan, target, durable=durable, threads=threads)
     if auto and total_limit is not None:
-        rotate_checkpoints(root, total_limit)
+        rotate_checkpoints(root, total_limit, model_only=model_only)
     return target.absolute()
 
 
@@ -207,7 +210,8 @@ def load_state(
         model: a module or a list (the same number as were saved, or fewer).
         optimizer: optimizers to restore (ignored when ``model_only``).
         scheduler: schedulers to restore (ignored when ``model_only``).
-        input_dir: the checkpoint folder; None picks the latest committed ``{project_dir}/checkpoints/checkpoint_N``.
+        input_dir: the checkpoint folder; None picks the latest committed ``{project_dir}/checkpoints/checkpoint_N``
+            (for a full load the latest one saved in full).
         model_only: read only the model weights (works on model-only and full checkpoints).
         strict: raise on missing / unexpected model keys, and on live parameters that the saved optimizer
             ``param_groups`` do not cover; with False those are reported / start fresh.
@@ -240,7 +244,7 @@ def load_state(
     _check_map_location(map_location)
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
-    folder = resolve_input_dir(input_dir, project_dir)
+    folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
     if verify:
         verify_checkpoint(folder, threads=threads)
     plan = plan_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,

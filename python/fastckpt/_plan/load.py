@@ -17,7 +17,7 @@ from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._io.layout import (
     MANIFEST,
     checkpoint_layout,
-    latest_checkpoint,
+    checkpoint_numbers,
     part_name,
     random_states_name,
     read_manifest,
@@ -29,20 +29,35 @@ from fastckpt._state.optimizer import param_fqns, read_optimizer_state
 from fastckpt._state.rng import read_rng_state
 from fastckpt.errors import MissingStateError
 
-__all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]
+__all__ = ["resolve_input_dir", "check_input_dir", "LoadPlan", "plan_load"]
 
 
-def resolve_input_dir(input_dir: Any, project_dir: Any) -> Path:
+def resolve_input_dir(input_dir: Any, project_dir: Any, *, full: bool = False) -> Path:
+    """The folder to load: ``input_dir``, or the latest committed checkpoint (``full``: saved in full)."""
     if input_dir is not None:
-        folder = Path(input_dir)
-        if not folder.is_dir():
-            raise MissingStateError(f"{folder}: no such checkpoint folder")
-        return folder
+        return check_input_dir(Path(input_dir))
     root = Path(project_dir if project_dir is not None else os.getcwd())
-    latest = latest_checkpoint(root)
-    if latest is None:
-        raise MissingStateError(f"{root / 'checkpoints'}: no committed checkpoint (no checkpoint_N with {MANIFEST})")
-    return latest
+    numbers = checkpoint_numbers(root, full_only=full)
+    if not numbers:
+        what = "full checkpoint" if full and checkpoint_numbers(root) else "checkpoint"
+        raise MissingStateError(f"{root / 'checkpoints'}: no committed {what} (no checkpoint_N with {MANIFEST})")
+    return numbers[max(numbers)]
+
+
+def check_input_dir(folder: Path) -> Path:
+    """``folder`` if it is a folder.
+
+    Raises:
+        MissingStateError: nothing is there, or it is a file (the message says which, and for a file names the
+            folder that holds it).
+    """
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise MissingStateError(
+            f"{folder}: is a file, not a checkpoint folder; pass the folder that holds it ({folder.parent})"
+        )
+    raise MissingStateError(f"{folder}: no such checkpoint folder")
 
 
 def _open_part(folder: Path, name: str, what: str) -> Any:

@@ -32,8 +32,14 @@ from typing import Any
 import torch
 
 from fastckpt._io.distributed import agree, gather_to_main, on_main
-from fastckpt._io.layout import checkpoint_layout, checkpoint_numbers, random_states_name, rotate_checkpoints
-from fastckpt._plan.load import plan_load
+from fastckpt._io.layout import (
+    checkpoint_layout,
+    checkpoint_numbers,
+    next_checkpoint_dir,
+    random_states_name,
+    rotate_checkpoints,
+)
+from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
 from fastckpt.checkpoint import LoadResult
@@ -60,17 +66,26 @@ def _project_root(accelerator: Any) -> Path:
     return Path(accelerator.project_dir if accelerator.project_dir is not None else os.getcwd()).absolute()
 
 
-def _choose_target(accelerator: Any, output_dir: Any) -> tuple[Path, int | None]:
-    """(target folder, automatic number or None). Runs on the main process."""
+def _choose_target(accelerator: Any, output_dir: Any, model_only: bool) -> tuple[Path, int | None]:
+    """(target folder, automatic number or None). Runs on the main process.
+
+    An explicit ``output_dir`` is always used; otherwise automatic naming puts a full save in
+    ``checkpoints/checkpoint_{n}`` (n = max(iteration, largest committed + 1)) and a model-only save in
+    ``model_only/checkpoint_{n}`` (its own numbering, see :mod:`fastckpt._io.layout`).
+    """
     config = accelerator.project_configuration
-    if config.automatic_checkpoint_naming:
-        numbers = checkpoint_numbers(_project_root(accelerator))
-        n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
-        return _project_root(accelerator) / "checkpoints" / f"checkpoint_{n}", n
-    if output_dir is None:
+    if output_dir is not None:
+        return Path(output_dir).expanduser().absolute(), None
+    if not config.automatic_checkpoint_naming:
         raise ValueError("output_dir is required unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
-    return Path(output_dir).expanduser().absolute(), None
+    root = _project_root(accelerator)
+    if model_only:
+        target = next_checkpoint_dir(root, model_only=True)
+        return target, int(target.name.rsplit("_", 1)[1])
+    numbers = checkpoint_numbers(root)
+    n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
+    return root / "checkpoints" / f"checkpoint_{n}", n
 
 
 def save_state(
@@ -87,10 +102,12 @@ def save_state(
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare``.
-        output_dir: the checkpoint folder (replaced atomically if it exists). Ignored, as accelerate ignores it,
-            when ``ProjectConfiguration(automatic_checkpoint_naming=True)``: the folder is then
-            ``{project_dir}/checkpoints/checkpoint_{n}`` with n = max(``iteration``, largest committed + 1), and
-            ``total_limit`` removes the oldest committed checkpoints (numeric order) after the commit.
+        output_dir: the checkpoint folder (replaced atomically if it exists); always used when given (no
+            rotation then). None with ``ProjectConfiguration(automatic_checkpoint_naming=True)``: a full save goes
+            to ``{project_dir}/checkpoints/checkpoint_{n}`` with n = max(``iteration``, largest committed + 1), a
+            model-only save to ``{project_dir}/model_only/checkpoint_{n}`` (numbered apart, ``iteration``
+            unchanged); ``total_limit`` then removes the oldest committed ones of that kind (numeric order) after
+            the commit, so model-only snapshots never rotate full checkpoints away.
         model_only: write only the model weights (+ ``config.json`` for a transformers model); optimizers,
             schedulers, RNG and registered objects are not read.
         compat: None (fastckpt's layout, no pickle) or ``"accelerate"``: exactly the files
@@ -122,7 +139,8 @@ def save_state(
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    target, number = on_main(lambda: _choose_target(accelerator, output_dir), what="choosing the checkpoint folder")
+    target, number = on_main(lambda: _choose_target(accelerator, output_dir, model_only),
+                             what="choosing the checkpoint folder")
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
     if compat:
@@ -165,24 +183,23 @@ def save_state(
         write_checkpoint(plan, target, durable=durable, threads=threads)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
-            rotate_checkpoints(_project_root(accelerator), limit)
+            rotate_checkpoints(_project_root(accelerator), limit, model_only=model_only)
         return target
 
     path = on_main(write, what=f"saving {target}")  # the outcome broadcast is the barrier that ends the save
     config = accelerator.project_configuration
-    config.iteration = number + 1 if number is not None else config.iteration + 1
+    if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
+        config.iteration = number + 1 if number is not None else config.iteration + 1
     return path
 
 
-def _resolve(accelerator: Any, input_dir: Any) -> Path:
+def _resolve(accelerator: Any, input_dir: Any, model_only: bool) -> Path:
     if input_dir is not None:
-        folder = Path(input_dir).expanduser()
-        if not folder.is_dir():
-            raise MissingStateError(f"{folder}: no such checkpoint folder")
-        return folder.absolute()
-    numbers = checkpoint_numbers(_project_root(accelerator))
+        return check_input_dir(Path(input_dir).expanduser()).absolute()
+    numbers = checkpoint_numbers(_project_root(accelerator), full_only=not model_only)
     if not numbers:
-        raise MissingStateError(f"{_project_root(accelerator) / 'checkpoints'}: no committed checkpoint_N to load")
+        what = "checkpoint_N" if model_only else "checkpoint_N saved in full"
+        raise MissingStateError(f"{_project_root(accelerator) / 'checkpoints'}: no committed {what} to load")
     return numbers[max(numbers)].absolute()
 
 
@@ -212,7 +229,8 @@ def load_state(
     Args:
         accelerator: the ``accelerate.Accelerator``, with the same objects prepared and registered as when saving.
         input_dir: the checkpoint folder; None: the latest committed ``{project_dir}/checkpoints/checkpoint_N``
-            (numeric order; stock accelerate folders count, unfinished saves never do).
+            (numeric order; for a full load the latest saved in full; stock accelerate folders count, unfinished
+            saves never do).
         model_only: restore only the model weights (from a model-only or a full checkpoint); ``accelerator.step``,
             RNG states and everything else are left as they are.
         strict: as :func:`fastckpt.load_state` (model keys; optimizer coverage).
@@ -239,7 +257,7 @@ def load_state(
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
     _check_supported(accelerator)
-    folder = on_main(lambda: _resolve(accelerator, input_dir), what="finding the checkpoint")
+    folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint")
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
