@@ -46,10 +46,11 @@ from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
-    "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode",
+    "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY",
 ]
 
 MANIFEST = "fastckpt.json"
+SAVE_ID_KEY = "fastckpt.save_id"  # in every safetensors file's metadata and (as "save_id") in the manifest
 CHECKPOINTS_DIR = "checkpoints"  # full checkpoints with automatic naming
 MODEL_ONLY_DIR = "model_only"  # model-only snapshots with automatic naming
 FORMAT_VERSION = 1
