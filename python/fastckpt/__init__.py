@@ -13,6 +13,7 @@ from fastckpt._state.rng import RngRestoreWarning
 from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
+    CheckpointChangedError,
     CheckpointError,
     DtypeError,
     HeaderError,
@@ -53,5 +54,6 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "CheckpointChangedError",
     "__version__",
 ]

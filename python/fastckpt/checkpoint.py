@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -18,11 +19,14 @@ import torch
 
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit
 from fastckpt._io.commit import check_target, write_checkpoint
+from fastckpt._io.folder import RETRIES, opened_files, pinned
 from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.log import log_load
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
+from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "LoadResult"]
 
@@ -236,6 +240,8 @@ def load_state(
         HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint, or a shard index that disagrees with
             its shards; a shard index naming absent shards raises MissingStateError listing all of them.
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
+        CheckpointChangedError: other saves replaced the folder while it was being read, 5 times in a row (each
+            time the load started over; every file of a load comes from one save, see :mod:`fastckpt._io.folder`).
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped.
     """
     if model is None:
@@ -244,10 +250,20 @@ def load_state(
     _check_map_location(map_location)
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
-    folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
-    if verify:
-        verify_checkpoint(folder, threads=threads)
-    plan = plan_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                     map_location=map_location, trust_pickle=trust_pickle)
+    started = time.perf_counter()
+    for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
+        folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
+        try:
+            with pinned(folder) as handle:  # every file is opened through one handle on the folder
+                if verify:
+                    verify_checkpoint(handle, threads=threads)
+                plan = plan_load(handle, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                                 map_location=map_location, trust_pickle=trust_pickle)
+                files = opened_files(handle)
+            break
+        except CheckpointChangedError:
+            if attempt == RETRIES - 1:
+                raise
     plan.apply(threads=threads)
+    log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     return LoadResult(plan.missing_keys, plan.unexpected_keys)

@@ -24,6 +24,7 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "CheckpointChangedError",
 ]
 
 
@@ -67,3 +68,8 @@ class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
 
     Raised unless the load passes ``trust_pickle=True``; the message names the file and the global it needs.
     """
+
+
+class CheckpointChangedError(IntegrityError):
+    """Another save replaced or rewrote the checkpoint while it was being read (its files no longer belong to the
+    manifest that was read first). Nothing was changed: retry the load (``load_state`` already retried)."""

@@ -116,7 +116,7 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ver
     Raises:
         MissingStateError: no manifest. HeaderError: a malformed manifest. OSError: a file cannot be read.
     """
-    folder = Path(folder)
+    folder = folder if isinstance(folder, Path) else Path(folder)
     manifest = read_manifest(folder, check_sizes=False)
     report = VerifyReport(folder)
     present: list[str] = []
@@ -134,7 +134,7 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ver
             report.files[name] = problem
             report.problems.append(problem)
         present.append(name)
-    sums = _core.checksum_files([str(folder / n) for n in present], threads=threads)
+    sums = _core.checksum_files([os.fspath(folder / n) for n in present], threads=threads)
     files = manifest.get("files", {})
     for name, actual in zip(present, sums):
         _compare(report, name, files[name], actual)

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._io.folder import open_safetensors
 from fastckpt._io.layout import (
     MANIFEST,
     checkpoint_layout,
@@ -64,7 +64,7 @@ def _open_part(folder: Path, name: str, what: str) -> Any:
     path = folder / name
     if not path.is_file():
         raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold")
-    return _core.SafetensorsFile(str(path))
+    return open_safetensors(path)
 
 
 def positional_fqns(optimizer: Any) -> dict[int, str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from fastckpt._io.distributed import agree, gather_to_main, on_main
+from fastckpt._io.folder import opened_files, pinned
 from fastckpt._io.layout import (
     checkpoint_layout,
     checkpoint_numbers,
@@ -39,6 +41,7 @@ from fastckpt._io.layout import (
     random_states_name,
     rotate_checkpoints,
 )
+from fastckpt._io.log import log_load
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
@@ -264,21 +267,26 @@ def load_state(
     targets = [accelerator.unwrap_model(m) for m in models]
     everything = [accelerator.unwrap_model(m) for m in accelerator._models]
     plan, error = None, None
+    started = time.perf_counter()
+    files: dict[str, int] = {}
     try:
-        layout = checkpoint_layout(folder)
-        rank = None if model_only else _rng_rank(folder, layout, int(accelerator.process_index))
-        plan = plan_load(folder, targets, list(accelerator._optimizers), list(accelerator._schedulers),
-                         model_only=model_only, strict=strict, map_location=map_location, trust_pickle=trust_pickle,
-                         rank=rank, fqn_models=everything)
-        if not model_only:
-            from fastckpt.accelerate.tracked_objects import plan_tracked_objects
+        with pinned(folder) as handle:  # every file is opened through one handle on the folder (one save)
+            layout = checkpoint_layout(handle)
+            rank = None if model_only else _rng_rank(handle, layout, int(accelerator.process_index))
+            plan = plan_load(handle, targets, list(accelerator._optimizers), list(accelerator._schedulers),
+                             model_only=model_only, strict=strict, map_location=map_location,
+                             trust_pickle=trust_pickle, rank=rank, fqn_models=everything)
+            if not model_only:
+                from fastckpt.accelerate.tracked_objects import plan_tracked_objects
 
-            plan_tracked_objects(plan, folder, accelerator, layout=layout, trust_pickle=trust_pickle)
+                plan_tracked_objects(plan, handle, accelerator, layout=layout, trust_pickle=trust_pickle)
+            files = opened_files(handle)
     except Exception as exc:  # every process learns of it before any object changes
         error = exc
     agree(error, what=f"loading {folder}")
     assert plan is not None
     plan.apply(threads=threads)
+    log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     if plan.rng is not None:
         accelerator.step = plan.rng.step
     m = re.fullmatch(r"checkpoint_(\d+)", folder.name)

@@ -42,9 +42,9 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from fastckpt.demo.compare import draw_random, verify
 from fastckpt.demo.files import dir_bytes, drop_page_cache, fsync_tree
 from fastckpt.demo.gpt2 import GPT, PRESETS, num_parameters
-from fastckpt.demo.compare import draw_random, verify
 
 __all__ = ["DemoResult", "DemoRow", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree", "run_demo"]
 

@@ -45,8 +45,14 @@ unsafe impl Sync for MapPtr {}
 impl SafetensorsFile {
     /// Open `path`, validate its header fully (see CORE_API.md) and map it.
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_as(path, path)
+    }
+
+    /// Open the file at `source` but name it `path` (in errors and [`SafetensorsFile::path`]): `source` can be a
+    /// handle-relative path such as `/proc/self/fd/N/model.safetensors` that pins the folder a reader opened.
+    pub fn open_as(source: &Path, path: &Path) -> Result<Self> {
         let label = path.display().to_string();
-        let file = open_file(path)?;
+        let file = open_file_as(source, path)?;
         let file_size = file.metadata().at(path, "reading the size of")?.len();
         let mut prefix = [0u8; 8];
         let got = (file_size as usize).min(8);
@@ -245,7 +251,12 @@ impl SafetensorsFile {
 /// Open `path` for reading: never blocks (FIFOs), and anything but a regular file is refused, a folder as
 /// `EISDIR` ([`Error::Io`]), a FIFO, socket or device as [`Error::Header`].
 pub(crate) fn open_file(path: &Path) -> Result<File> {
-    sys::open_regular(path).map_err(|e| match e.kind() {
+    open_file_as(path, path)
+}
+
+/// [`open_file`] of `source`, with errors naming `path`.
+fn open_file_as(source: &Path, path: &Path) -> Result<File> {
+    sys::open_regular(source).map_err(|e| match e.kind() {
         std::io::ErrorKind::InvalidInput => Error::Header(format!(
             "{}: cannot be read as a safetensors file: {e}",
             path.display()

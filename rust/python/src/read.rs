@@ -56,10 +56,13 @@ pub struct SafetensorsFile {
 #[pymethods]
 impl SafetensorsFile {
     /// Open `path` and validate its header fully; raises HeaderError, TruncatedFileError, DtypeError, OSError.
+    /// `open_path`: open that path instead (a folder-handle-relative path), naming the file `path`.
     #[new]
-    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+    #[pyo3(signature = (path, *, open_path=None))]
+    fn new(py: Python<'_>, path: PathBuf, open_path: Option<PathBuf>) -> PyResult<Self> {
+        let source = open_path.unwrap_or_else(|| path.clone());
         let inner = py
-            .detach(|| fastckpt_core::SafetensorsFile::open(&path))
+            .detach(|| fastckpt_core::SafetensorsFile::open_as(&source, &path))
             .map_err(to_py)?;
         Ok(SafetensorsFile { inner })
     }
