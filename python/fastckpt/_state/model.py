@@ -18,6 +18,7 @@ import torch
 
 from fastckpt._format.dtypes import to_safetensors_dtype, torch_shape
 from fastckpt._format.tensors import destination_buffer, tensor_from_buffer
+from fastckpt._state.destinations import check_destination
 from fastckpt.errors import DtypeError, KeyMismatchError, ShapeMismatchError
 
 __all__ = [
@@ -188,6 +189,7 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
                 f"{src.file.path}: tensor {src.name!r} has shape {shape} but {name!r} in "
                 f"{type(module).__name__} has shape {list(dst.shape)}"
             )
+        check_destination(dst, name, type(module).__name__)
     return plan
 
 
