@@ -18,10 +18,15 @@ __all__ = ["LoadPlan", "apply_undoable"]
 
 def apply_undoable(loads: list[tuple[Any, Any]]) -> None:
     """``obj.load_state_dict(state)`` for each pair; if one raises, the objects already loaded get their previous
-    ``state_dict()`` back (a deep copy taken before) and the error propagates, with a note saying so."""
+    ``state_dict()`` back (a deep copy taken before) and the error propagates, with a note saying so. Objects
+    without a ``state_dict`` (nothing to put back) are loaded last."""
     done: list[tuple[Any, Any]] = []
+    loads = sorted(loads, key=lambda pair: not callable(getattr(pair[0], "state_dict", None)))
     try:
         for obj, state in loads:
+            if not callable(getattr(obj, "state_dict", None)):
+                obj.load_state_dict(state)
+                continue
             previous = copy.deepcopy(obj.state_dict())
             obj.load_state_dict(state)
             done.append((obj, previous))
