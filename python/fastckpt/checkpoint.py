@@ -31,14 +31,26 @@ from fastckpt.errors import CheckpointChangedError
 __all__ = ["save_state", "load_state", "LoadResult"]
 
 
-class LoadResult(NamedTuple):
-    """What :func:`load_state` returns, like torch's ``load_state_dict``: names (fqns) not loaded.
-
-    With several models the names carry a ``model_{i}.`` prefix.
-    """
-
+class _Keys(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+class LoadResult(_Keys):
+    """What :func:`load_state` returns, like torch's ``load_state_dict``: names (fqns) not loaded, as the pair
+    ``(missing_keys, unexpected_keys)``; with several models the names carry a ``model_{i}.`` prefix.
+
+    ``skipped``: saved parts that a ``strict=False`` load did not apply, one line each naming the part and why (an
+    optimizer or scheduler state saved by another class: the live object keeps its own state).
+    """
+
+    skipped: list[str]
+
+    def __new__(cls, missing_keys: list[str], unexpected_keys: list[str],
+                skipped: list[str] | None = None) -> LoadResult:
+        self = super().__new__(cls, missing_keys, unexpected_keys)
+        self.skipped = list(skipped or [])
+        return self
 
 
 _KIND_CHECKS = {
@@ -266,4 +278,4 @@ def load_state(
                 raise
     plan.apply(threads=threads)
     log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)

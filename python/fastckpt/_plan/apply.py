@@ -48,6 +48,7 @@ class LoadPlan:
     rng: RngState | None = None
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # saved parts not applied (strict=False), with the reason
     objects: list[tuple[Any, Any]] = field(default_factory=list)  # (obj, state) for obj.load_state_dict(state)
     live_reads: list[tuple[Any, list]] = field(default_factory=list)  # (file, [(name, live tensor)]), phase 2
 

@@ -25,8 +25,9 @@ from fastckpt._io.layout import (
 from fastckpt._io.shards import open_state_file, open_state_files
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import plan_module_load
-from fastckpt._state.optimizer import param_fqns, read_optimizer_state
+from fastckpt._state.optimizer import optimizer_class_name, param_fqns, read_optimizer_state
 from fastckpt._state.rng import read_rng_state
+from fastckpt._state.scheduler import scheduler_class_name, scheduler_fits
 from fastckpt.errors import MissingStateError
 
 __all__ = ["resolve_input_dir", "check_input_dir", "LoadPlan", "plan_load"]
@@ -132,9 +133,19 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         state = read_optimizer_state(opt, file, positional_fqns(opt) if positional else fqns, strict=strict,
                                      map_location=map_location, defer=load.live_reads,
                                      label=part_name("optimizer", j, ""))
-        load.optimizers.append((opt, state))
+        if state is None:
+            load.skipped.append(f"{part_name('optimizer', j, '')}: saved by {(file.metadata() or {}).get('optimizer')}, "
+                                f"the live optimizer is {optimizer_class_name(opt)}; it keeps its own state")
+        else:
+            load.optimizers.append((opt, state))
+    saved_classes = manifest.get("scheduler_classes")
     for k, sched in enumerate(schedulers):
         path = folder / part_name("scheduler", k, ".json")
+        saved_class = saved_classes[k] if isinstance(saved_classes, list) and k < len(saved_classes) else None
+        if not scheduler_fits(saved_class, sched, strict=strict, where=str(path)):
+            load.skipped.append(f"{path.name}: saved by {saved_class}, the live scheduler is "
+                                f"{scheduler_class_name(sched)}; it keeps its own state")
+            continue
         try:
             where = f"{path}: not a valid fastckpt scheduler state"
             load.schedulers.append((sched, decode_json(load_json(path.read_bytes(), where), where)))

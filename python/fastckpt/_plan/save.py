@@ -19,6 +19,7 @@ from fastckpt._io.layout import part_name, random_states_name
 from fastckpt._state.model import collect_model_state, model_config_json
 from fastckpt._state.optimizer import optimizer_payload, param_fqns
 from fastckpt._state.rng import rng_payload
+from fastckpt._state.scheduler import scheduler_class_name
 
 __all__ = ["FilePart", "SavePlan", "build_save_plan"]
 
@@ -102,6 +103,8 @@ def build_save_plan(
     for j, opt in enumerate(optimizers):
         tensors, metadata = optimizer_payload(opt, fqns, label=part_name("optimizer", j, ""))
         plan.parts.append(FilePart(part_name("optimizer", j, ".safetensors"), tensors, list(metadata.items())))
+    if schedulers:
+        plan.counts["scheduler_classes"] = [scheduler_class_name(s) for s in schedulers]
     for k, sched in enumerate(schedulers):
         state = encode(sched.state_dict(), path=part_name("scheduler", k, ""))
         plan.texts[part_name("scheduler", k, ".json")] = json.dumps(state)

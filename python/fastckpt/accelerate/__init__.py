@@ -293,4 +293,4 @@ def load_state(
     root = _project_root(accelerator) / "checkpoints"
     if m and folder.parent.resolve() == root.resolve():
         accelerator.project_configuration.iteration = int(m.group(1)) + 1
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
