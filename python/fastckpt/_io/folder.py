@@ -216,9 +216,10 @@ def open_safetensors(path: Path) -> Any:
 
 
 def opened_files(path: Path) -> dict[str, int]:
-    """``{file name: bytes}`` read so far through the pinned folder ``path`` (empty for a plain path)."""
+    """``{file name: bytes}`` of the parts read so far through the pinned folder ``path`` (the manifest not
+    counted; empty for a plain path)."""
     found = _pin_of(os.fspath(path)) if isinstance(path, PinnedPath) else None
-    return dict(found[0].opened) if found is not None else {}
+    return {k: v for k, v in found[0].opened.items() if k != MANIFEST} if found is not None else {}
 
 
 @contextlib.contextmanager
