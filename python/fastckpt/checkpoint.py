@@ -215,6 +215,7 @@ def load_state(
     threads: int = 0,
     trust_pickle: bool = False,
     verify: bool = False,
+    cast: bool = False,
 ) -> LoadResult:
     """Restore a state saved by :func:`save_state` (or by stock ``Accelerator.save_state``): validate, then apply.
 
@@ -240,6 +241,8 @@ def load_state(
             sampler, numpy scalars in a scheduler). Full unpickling can run arbitrary code.
         verify: first read every file of the checkpoint and check the sizes and crc32c checksums recorded in
             ``fastckpt.json`` (see :func:`fastckpt.verify_checkpoint`); nothing is applied if one differs.
+        cast: model weights stored in another dtype (an fp32 checkpoint into a bf16 / fp16 model) are cast to the
+            live parameter's dtype, as torch's ``load_state_dict`` does; default False refuses them (DtypeError).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -248,7 +251,8 @@ def load_state(
         MissingStateError: no checkpoint, or a part asked for is absent (a full load of a model-only
             checkpoint names the missing files); raised before anything is changed.
         KeyMismatchError: ``strict`` and model keys differ (both lists named), or optimizer coverage fails.
-        ShapeMismatchError / DtypeError: a stored tensor does not fit its destination (no silent casts).
+        ShapeMismatchError / DtypeError: a stored tensor does not fit its destination (no silent casts; the
+            DtypeError names ``cast=True``), or a destination cannot be written (an expanded tensor).
         HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint, or a shard index that disagrees with
             its shards; a shard index naming absent shards raises MissingStateError listing all of them.
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
@@ -270,7 +274,7 @@ def load_state(
                 if verify:
                     verify_checkpoint(handle, threads=threads)
                 plan = plan_load(handle, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                                 map_location=map_location, trust_pickle=trust_pickle)
+                                 map_location=map_location, trust_pickle=trust_pickle, cast=cast)
                 files = opened_files(handle)
             break
         except CheckpointChangedError:

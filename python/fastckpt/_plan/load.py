@@ -76,7 +76,7 @@ def positional_fqns(optimizer: Any) -> dict[int, str]:
 
 def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
               strict: bool = True, map_location: Any = None, trust_pickle: bool = False, rank: int | None = 0,
-              fqn_models: list | None = None) -> LoadPlan:
+              fqn_models: list | None = None, cast: bool = False) -> LoadPlan:
     """Phase 1 of a load: read and validate everything ``folder`` must provide; change nothing.
 
     Reads fastckpt's layout (sharded model / optimizer files included) and accelerate's (see
@@ -87,6 +87,8 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         rank: whose ``random_states_{rank}`` file to restore; None restores no RNG state.
         fqn_models: the models whose parameter names key the optimizer state (default: ``models``; accelerate's
             load hooks may take models out of ``models``).
+        cast: model tensors stored in another dtype are cast to the live tensor's dtype (as torch's
+            ``load_state_dict`` does) instead of refused.
 
     Raises:
         MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError,
@@ -99,7 +101,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         mode = read_manifest(folder).get("mode") if (folder / MANIFEST).is_file() else None
         return plan_accelerate_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                     map_location=map_location, trust_pickle=trust_pickle, rank=rank,
-                                    manifest_mode=mode)
+                                    manifest_mode=mode, cast=cast)
     manifest = read_manifest(folder, model_files_only=model_only)
     if model_only:
         optimizers, schedulers = [], []
@@ -121,7 +123,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
     load = LoadPlan()
     for i, m in enumerate(models):
         plan = plan_module_load(m, open_state_files(folder, part_name("model", i, ""), f"model {i}"),
-                                strict=strict)
+                                strict=strict, cast=cast)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]

@@ -133,13 +133,18 @@ def _file_aliases(file: object, names: set[str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k != "format" and v in names and k not in names}
 
 
-def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True) -> ModelLoadPlan:
+def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True,
+                     cast: bool = False) -> ModelLoadPlan:
     """Check ``files`` (opened ``_core.SafetensorsFile`` objects, e.g. shards) against ``module``; change nothing.
+
+    ``cast``: a stored dtype other than the live tensor's is cast on load (``copy_``, as torch's ``load_state_dict``
+    does) instead of refused.
 
     Raises:
         KeyMismatchError: ``strict`` and names are missing or unexpected (both lists in the message).
         ShapeMismatchError: a stored shape differs from the live tensor's (names file, tensor, both shapes).
-        DtypeError: a stored dtype differs from the live tensor's (no silent casts; names both dtypes).
+        DtypeError: a stored dtype differs from the live tensor's and not ``cast`` (no silent casts; names both
+            dtypes and ``cast=True``).
     """
     sources: dict[str, _Source] = {}
     aliases: dict[str, str] = {}
@@ -178,10 +183,11 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
                 "materialize the model first, e.g. model.to_empty(device='cpu')"
             )
         want_dtype = to_safetensors_dtype(dst.dtype, name=name)
-        if src.dtype != want_dtype:
+        if src.dtype != want_dtype and not cast:
             raise DtypeError(
                 f"{src.file.path}: tensor {src.name!r} is stored as {src.dtype} but {name!r} in "
-                f"{type(module).__name__} is {dst.dtype} ({want_dtype}); fastckpt never casts silently"
+                f"{type(module).__name__} is {dst.dtype} ({want_dtype}); fastckpt never casts silently: pass "
+                "cast=True to cast it as torch's load_state_dict would"
             )
         shape = torch_shape(src.dtype, src.shape, name=src.name, path=src.file.path)
         if list(dst.shape) != shape:
@@ -208,7 +214,14 @@ def apply_module_load(plan: ModelLoadPlan, *, threads: int = 0) -> None:
         seen.add(key)
         if src.end == src.begin:
             continue
-        buf = destination_buffer(dst)
+        same_dtype = src.dtype == to_safetensors_dtype(dst.dtype, name=_name)
+        buf = destination_buffer(dst) if same_dtype else None  # a cast (cast=True) goes through copy_
+        if not same_dtype and dst.device.type == "cuda":
+            view = memoryview(src.file)
+            start = src.file.data_start
+            dst.copy_(tensor_from_buffer(view, src.dtype, src.shape, start + src.begin, start + src.end,
+                                         name=src.name, path=src.file.path))
+            continue
         if buf is not None:
             direct.setdefault(id(src.file), (src.file, []))[1].append((src.name, buf))
         elif dst.device.type == "cuda":

@@ -226,6 +226,7 @@ def load_state(
     map_location: Any = None,
     trust_pickle: bool = False,
     threads: int = 0,
+    cast: bool = False,
 ) -> LoadResult:
     """Restore everything ``accelerator`` tracks from a fastckpt or a stock accelerate checkpoint.
 
@@ -241,6 +242,8 @@ def load_state(
         trust_pickle: accelerate's files only: allow full unpickling where ``weights_only=True`` with accelerate's
             allowlist refuses a file (a pickled sampler or custom object). It can run arbitrary code.
         threads: reader threads; 0 picks min(8, cores).
+        cast: cast model weights stored in another dtype to the live dtype (as torch's ``load_state_dict``);
+            default False refuses them (DtypeError).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the models. Also sets ``accelerator.step`` from the RNG
@@ -275,7 +278,7 @@ def load_state(
             rank = None if model_only else _rng_rank(handle, layout, int(accelerator.process_index))
             plan = plan_load(handle, targets, list(accelerator._optimizers), list(accelerator._schedulers),
                              model_only=model_only, strict=strict, map_location=map_location,
-                             trust_pickle=trust_pickle, rank=rank, fqn_models=everything)
+                             trust_pickle=trust_pickle, rank=rank, fqn_models=everything, cast=cast)
             if not model_only:
                 from fastckpt.accelerate.tracked_objects import plan_tracked_objects
 
