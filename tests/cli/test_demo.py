@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 import subprocess
 import sys
 
@@ -124,3 +125,31 @@ def test_python_dash_m_fastckpt_demo():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum(line.rstrip().endswith("yes") for line in proc.stdout.splitlines()) == 3, proc.stdout
+
+
+def test_demo_alternates_contenders_and_reports_medians_of_rounds(monkeypatch):
+    """Issue 12, item 10: three rounds, each starting with another contender; the table shows medians and the
+    speedup is the median of per-round ratios (said under the table)."""
+    order: list[str] = []
+    real = demo._methods
+
+    def recording(*args, **kwargs):
+        methods = real(*args, **kwargs)
+
+        def wrap(name, save):
+            return lambda objects, path: (order.append(name), save(objects, path))[1]
+
+        return {name: (wrap(name, save), load) for name, (save, load) in methods.items()}
+
+    monkeypatch.setattr(demo, "_methods", recording)
+    out = io.StringIO()
+    result = demo.run_demo("tiny", steps=1, cold_cache=False, stream=out, rounds=3)
+    names = [row.name for row in result.rows]
+    assert order == names + names[1:] + names[:1] + names[2:] + names[:2]
+    by_name = {row.name: row for row in result.rows}
+    for row in result.rows:
+        assert len(row.save_rounds) == len(row.load_rounds) == 3 and row.verified
+        assert row.save_s == statistics.median(row.save_rounds)
+        ratios = [a / s for a, s in zip(by_name["accelerate"].save_rounds, row.save_rounds)]
+        assert row.save_speedup == statistics.median(ratios)
+    assert "medians of 3 rounds" in out.getvalue()
