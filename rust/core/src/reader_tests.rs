@@ -124,6 +124,29 @@ fn open_errors() {
     assert!(e.to_string().contains("short"), "{e}");
 }
 
+#[test]
+fn open_as_reads_one_path_and_names_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _, _) = written(dir.path());
+    let shown = Path::new("/checkpoints/step_7/model.safetensors");
+    let f = SafetensorsFile::open_as(&path, shown).unwrap();
+    assert_eq!(f.path(), shown);
+    assert_eq!(
+        f.tensors().len(),
+        SafetensorsFile::open(&path).unwrap().tensors().len()
+    );
+    let short = dir.path().join("short");
+    std::fs::write(&short, [1, 2, 3]).unwrap();
+    let e = SafetensorsFile::open_as(&short, shown).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("/checkpoints/step_7/model.safetensors"),
+        "{e}"
+    );
+    let e = SafetensorsFile::open_as(&dir.path().join("none"), shown).unwrap_err();
+    assert!(e.to_string().contains("step_7"), "{e}");
+}
+
 impl Error {
     fn tensor_named(&self, name: &str) -> bool {
         self.to_string().contains(&format!("{name:?}"))
