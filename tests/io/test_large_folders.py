@@ -1,4 +1,4 @@
-"""Folders real users have (issue 12, item 11): a 250-character checkpoint name (hidden staging and lock names stay
+"""Folders real users have (issue 12, item 11): an input_dir that is a file, a 250-character checkpoint name (hidden staging and lock names stay
 within NAME_MAX = 255 bytes), and a parent or a target holding 30,000 files of the user's, which a save must not
 list on every save (a listing and a hard link per file made a save 50x slower)."""
 
@@ -95,3 +95,20 @@ def test_a_target_holding_30000_files_is_not_listed_on_every_save(tmp_path, list
     fresh, fresh_opt, fresh_sched = make_training_state(1)
     fastckpt.load_state(fresh, fresh_opt, fresh_sched, input_dir=target)
     assert_model_state(fresh, expected)
+
+
+def test_input_dir_that_is_a_file_says_so(tmp_path, new_accelerator):
+    import fastckpt.accelerate
+
+    model, opt, sched = make_training_state(0)
+    ckpt = fastckpt.save_state(model, opt, sched, output_dir=tmp_path / "c")
+    file = ckpt / "model.safetensors"
+    with pytest.raises(fastckpt.MissingStateError, match=rf"{file}: is a file, not a checkpoint folder; pass the "
+                                                         rf"folder that holds it \({ckpt}\)"):
+        fastckpt.load_state(model, input_dir=file, model_only=True)
+    with pytest.raises(fastckpt.MissingStateError, match=r"no such checkpoint folder"):
+        fastckpt.load_state(model, input_dir=tmp_path / "absent", model_only=True)
+    acc = new_accelerator()
+    acc.prepare(model)
+    with pytest.raises(fastckpt.MissingStateError, match=r"is a file, not a checkpoint folder"):
+        fastckpt.accelerate.load_state(acc, file, model_only=True)
