@@ -13,6 +13,7 @@ from fastckpt._state.rng import RngRestoreWarning
 from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
+    CheckpointChangedError,
     CheckpointError,
     ClosedFileError,
     CollectiveTimeoutError,
@@ -68,5 +69,6 @@ __all__ = [
     "ClosedFileError",
     "MetaTensorError",
     "CollectiveTimeoutError",
+    "CheckpointChangedError",
     "__version__",
 ]

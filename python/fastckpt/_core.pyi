@@ -207,11 +207,13 @@ class SafetensorsFile:
         >>> raw = memoryview(f)[f.data_start + begin : f.data_start + end]
     """
 
-    def __new__(cls, path: _StrPath, *, mmap: bool = True) -> SafetensorsFile:
+    def __new__(cls, path: _StrPath, *, mmap: bool = True, open_path: _StrPath | None = None) -> SafetensorsFile:
         """Open and fully validate ``path`` (opened non-blocking: a FIFO never hangs the reader).
 
         ``mmap=False`` maps nothing: the tensors are read only by ``read_into`` / ``read_ranges`` (bounded memory),
         and the buffer protocol raises BufferError.
+        ``open_path``: open this path instead and name the file ``path`` in errors and :attr:`path` (a path relative
+        to a pinned folder handle, ``/proc/self/fd/N/name``: see :mod:`fastckpt._io.folder`).
 
         Raises:
             HeaderError, TruncatedFileError, DtypeError: a malformed file, or one that is not a regular file (a

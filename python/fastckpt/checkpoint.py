@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -19,26 +20,41 @@ import torch
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, process_rank
+from fastckpt._io.folder import RETRIES, opened_files, pinned
 from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.log import log_load
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 from fastckpt._state.sharded import is_sharded
+from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "LoadResult"]
 
 
-class LoadResult(NamedTuple):
-    """What :func:`load_state` returns, like torch's ``load_state_dict``: names (fqns) not loaded.
-
-    With several models the names carry a ``model_{i}.`` prefix.
-    """
-
+class _Keys(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+class LoadResult(_Keys):
+    """What :func:`load_state` returns, like torch's ``load_state_dict``: names (fqns) not loaded, as the pair
+    ``(missing_keys, unexpected_keys)``; with several models the names carry a ``model_{i}.`` prefix.
+
+    ``skipped``: saved parts that a ``strict=False`` load did not apply, one line each naming the part and why (an
+    optimizer or scheduler state saved by another class: the live object keeps its own state).
+    """
+
+    skipped: list[str]
+
+    def __new__(cls, missing_keys: list[str], unexpected_keys: list[str],
+                skipped: list[str] | None = None) -> LoadResult:
+        self = super().__new__(cls, missing_keys, unexpected_keys)
+        self.skipped = list(skipped or [])
+        return self
 
 
 _KIND_CHECKS = {
@@ -132,11 +148,13 @@ def save_state(
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), a list, or None.
             Ignored when ``model_only``.
         output_dir: the checkpoint folder; replaced atomically if it exists (other files in it are kept).
-            None: ``{project_dir}/checkpoints/checkpoint_{n}``, n = largest present + 1.
+            None: ``{project_dir}/checkpoints/checkpoint_{n}``, n = largest present + 1; a model-only save goes to
+            ``{project_dir}/model_only/checkpoint_{n}``, numbered apart.
         model_only: write only the model files (+ ``config.json`` for a model with a config) and the manifest.
         project_dir: root for automatic naming; defaults to the current directory.
-        total_limit: with automatic naming, keep only the newest ``total_limit`` checkpoints (numeric order),
-            removed after the new one is committed.
+        total_limit: with automatic naming, keep only the newest ``total_limit`` checkpoints of the kind saved
+            (full checkpoints and model-only snapshots are counted apart; numeric order), removed after the new
+            one is committed.
         step: a training step counter stored with the RNG states and in the manifest.
         durable: fsync every file and folder before returning (default True; False is faster, not crash-safe).
         threads: writer threads; 0 picks min(8, cores).
@@ -220,7 +238,7 @@ def save_state(
                            threads=threads)
     auto = output_dir is None
     root = Path(project_dir if project_dir is not None else os.getcwd())
-    target = next_checkpoint_dir(root) if auto else Path(output_dir)
+    target = next_checkpoint_dir(root, model_only=model_only) if auto else Path(output_dir)
     after_commit = None
     if share_unchanged:
         from fastckpt._plan.share import plan_sharing, previous_checkpoint
@@ -229,7 +247,8 @@ def save_state(
                                     threads=threads)
     if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
         write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-        rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
+        rotate = (functools.partial(rotate_checkpoints, root, total_limit, model_only=model_only)
+                  if auto and total_limit is not None else None)
         handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
         if async_save:
             return handle
@@ -241,7 +260,7 @@ def save_state(
     if after_commit is not None:
         after_commit(target)
     if auto and total_limit is not None:
-        rotate_checkpoints(root, total_limit)
+        rotate_checkpoints(root, total_limit, model_only=model_only)
     return target.absolute()
 
 
@@ -259,6 +278,7 @@ def load_state(
     trust_pickle: bool = False,
     verify: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
+    cast: bool = False,
 ) -> LoadResult:
     """Restore a state saved by :func:`save_state` (or by stock ``Accelerator.save_state``): validate, then apply.
 
@@ -270,7 +290,8 @@ def load_state(
         model: a module or a list (the same number as were saved, or fewer).
         optimizer: optimizers to restore (ignored when ``model_only``).
         scheduler: schedulers to restore (ignored when ``model_only``).
-        input_dir: the checkpoint folder; None picks the latest committed ``{project_dir}/checkpoints/checkpoint_N``.
+        input_dir: the checkpoint folder; None picks the latest committed ``{project_dir}/checkpoints/checkpoint_N``
+            (for a full load the latest one saved in full).
         model_only: read only the model weights (works on model-only and full checkpoints).
         strict: raise on missing / unexpected model keys, and on live parameters that the saved optimizer
             ``param_groups`` do not cover; with False those are reported / start fresh.
@@ -289,6 +310,8 @@ def load_state(
     A sharded checkpoint (saved from DTensor / FSDP2 models) loads on any number of processes (DCP reshards it)
     and into plain models in one process without a process group; every process calls ``load_state`` with the same
     arguments, and a failure on any process raises on every process before anything changes.
+        cast: model weights stored in another dtype (an fp32 checkpoint into a bf16 / fp16 model) are cast to the
+            live parameter's dtype, as torch's ``load_state_dict`` does; default False refuses them (DtypeError).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -297,13 +320,16 @@ def load_state(
         MissingStateError: no checkpoint, or a part asked for is absent (a full load of a model-only
             checkpoint names the missing files); raised before anything is changed.
         KeyMismatchError: ``strict`` and model keys differ (both lists named), or optimizer coverage fails.
-        ShapeMismatchError / DtypeError: a stored tensor does not fit its destination (no silent casts).
+        ShapeMismatchError / DtypeError: a stored tensor does not fit its destination (no silent casts; the
+            DtypeError names ``cast=True``), or a destination cannot be written (an expanded tensor).
         FrozenWeightsError: a ``trainable_only`` checkpoint and ``strict``: a frozen tensor of the model is absent
             or differs (dtype, shape or xxh3-128 content) from the one it was saved with; names the first.
             ``strict=False`` skips the check and reports the frozen names as missing keys.
         HeaderError / TruncatedFileError / IntegrityError: a damaged checkpoint, or a shard index that disagrees with
             its shards; a shard index naming absent shards raises MissingStateError listing all of them.
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
+        CheckpointChangedError: other saves replaced the folder while it was being read, 5 times in a row (each
+            time the load started over; every file of a load comes from one save, see :mod:`fastckpt._io.folder`).
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped; a process whose
             rank the sharded save did not have keeps its RNG states.
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
@@ -316,16 +342,28 @@ def load_state(
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
     timeout = check_timeout(timeout)
-    folder = resolve_input_dir(input_dir, project_dir)
+    folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
     if is_sharded(models) or is_sharded_checkpoint(folder):
         return _load_sharded(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              threads=threads, verify=verify, timeout=timeout)
-    if verify:
-        verify_checkpoint(folder, threads=threads)
-    plan = plan_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                     map_location=map_location, trust_pickle=trust_pickle)
+    started = time.perf_counter()
+    for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
+        if attempt:
+            folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
+        try:
+            with pinned(folder) as handle:  # every file is opened through one handle on the folder
+                if verify:
+                    verify_checkpoint(handle, threads=threads)
+                plan = plan_load(handle, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                                 map_location=map_location, trust_pickle=trust_pickle, cast=cast)
+                files = opened_files(handle)
+            break
+        except CheckpointChangedError:
+            if attempt == RETRIES - 1:
+                raise
     plan.apply(threads=threads)
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+    log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
 
 
 # -- sharded (DTensor / FSDP2) states: torch.distributed.checkpoint through the storage plugin --------------------
@@ -355,7 +393,7 @@ def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_di
         raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
                          "save with async_save=False")
     root = Path(project_dir if project_dir is not None else os.getcwd())
-    target = next_checkpoint_dir(root) if output_dir is None else Path(output_dir)
+    target = next_checkpoint_dir(root, model_only=model_only) if output_dir is None else Path(output_dir)
     path = save_sharded(models, optimizers, schedulers, target=target.absolute(), model_only=model_only,
                         step=step, durable=durable, threads=threads, timeout=timeout,
                         writer_factory=dcp_storage_writer)

@@ -28,6 +28,7 @@ __all__ = [
     "ClosedFileError",
     "MetaTensorError",
     "CollectiveTimeoutError",
+    "CheckpointChangedError",
 ]
 
 
@@ -92,3 +93,8 @@ class CollectiveTimeoutError(CheckpointError, TimeoutError):
 
     The message names the operation, the step it waited at, the processes that did not arrive and the seconds.
     """
+
+
+class CheckpointChangedError(IntegrityError):
+    """Another save replaced or rewrote the checkpoint while it was being read (its files no longer belong to the
+    manifest that was read first). Nothing was changed: retry the load (``load_state`` already retried)."""

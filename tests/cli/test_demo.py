@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 import subprocess
 import sys
 
@@ -59,7 +60,7 @@ def test_demo_tiny_verifies_all_three_checkpoints(capsys):
 
 
 def test_run_demo_keep_writes_each_checkpoint(tmp_path):
-    result = demo.run_demo("tiny", steps=3, out_dir=tmp_path, stream=io.StringIO())
+    result = demo.run_demo("tiny", steps=3, out_dir=tmp_path, stream=io.StringIO(), rounds=1)
     assert result.ok
     assert [row.name for row in result.rows] == ROWS
     assert len(result.losses) == 3
@@ -72,12 +73,12 @@ def test_run_demo_keep_writes_each_checkpoint(tmp_path):
     for row in result.rows:
         assert row.bytes_written == sum(p.stat().st_size for p in row.path.iterdir())
     with pytest.raises(FileExistsError):
-        demo.run_demo("tiny", steps=1, out_dir=tmp_path, stream=io.StringIO())
+        demo.run_demo("tiny", steps=1, out_dir=tmp_path, stream=io.StringIO(), rounds=1)
 
 
 def test_demo_keep_refuses_a_used_folder(tmp_path, capsys):
     (tmp_path / "fastckpt_full").mkdir()
-    assert main(["demo", "--size", "tiny", "--keep", str(tmp_path)]) == 2
+    assert main(["demo", "--size", "tiny", "--keep", str(tmp_path), "--rounds", "1"]) == 2
     captured = capsys.readouterr()
     assert "fastckpt_full already exists" in captured.err
     assert captured.out == ""  # refused before training
@@ -88,7 +89,7 @@ def test_demo_reports_a_raising_save_and_runs_the_other_rows(monkeypatch, capsys
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fastckpt, "save_state", broken_save)
-    assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
+    assert main(["demo", "--size", "tiny", "--steps", "1", "--rounds", "1"]) == 1
     out = capsys.readouterr().out
     assert "FAILED fastckpt full: save raised OSError: [Errno 28] No space left on device" in out
     assert [line.split()[-1] for line in out.splitlines() if line.startswith(tuple(ROWS))] == ["no", "no", "yes"]
@@ -96,7 +97,7 @@ def test_demo_reports_a_raising_save_and_runs_the_other_rows(monkeypatch, capsys
 
 def test_demo_exits_nonzero_when_a_load_restores_nothing(monkeypatch, capsys):
     monkeypatch.setattr(fastckpt, "load_state", lambda *args, **kwargs: None)
-    assert main(["demo", "--size", "tiny", "--steps", "1"]) == 1
+    assert main(["demo", "--size", "tiny", "--steps", "1", "--rounds", "1"]) == 1
     out = capsys.readouterr().out
     assert "FAILED fastckpt full: model.transformer.wte.weight: tensor values differ" in out
     assert "FAILED accelerate" not in out
@@ -116,7 +117,7 @@ def test_diff_is_type_strict():
 @pytest.mark.slow
 def test_python_dash_m_fastckpt_demo():
     proc = subprocess.run(
-        [sys.executable, "-m", "fastckpt", "demo", "--size", "tiny", "--steps", "2"],
+        [sys.executable, "-m", "fastckpt", "demo", "--size", "tiny", "--steps", "2", "--rounds", "1"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -124,3 +125,31 @@ def test_python_dash_m_fastckpt_demo():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum(line.rstrip().endswith("yes") for line in proc.stdout.splitlines()) == 3, proc.stdout
+
+
+def test_demo_alternates_contenders_and_reports_medians_of_rounds(monkeypatch):
+    """Issue 12, item 10: three rounds, each starting with another contender; the table shows medians and the
+    speedup is the median of per-round ratios (said under the table)."""
+    order: list[str] = []
+    real = demo._methods
+
+    def recording(*args, **kwargs):
+        methods = real(*args, **kwargs)
+
+        def wrap(name, save):
+            return lambda objects, path: (order.append(name), save(objects, path))[1]
+
+        return {name: (wrap(name, save), load) for name, (save, load) in methods.items()}
+
+    monkeypatch.setattr(demo, "_methods", recording)
+    out = io.StringIO()
+    result = demo.run_demo("tiny", steps=1, cold_cache=False, stream=out, rounds=3)
+    names = [row.name for row in result.rows]
+    assert order == names + names[1:] + names[:1] + names[2:] + names[:2]
+    by_name = {row.name: row for row in result.rows}
+    for row in result.rows:
+        assert len(row.save_rounds) == len(row.load_rounds) == 3 and row.verified
+        assert row.save_s == statistics.median(row.save_rounds)
+        ratios = [a / s for a, s in zip(by_name["accelerate"].save_rounds, row.save_rounds)]
+        assert row.save_speedup == statistics.median(ratios)
+    assert "medians of 3 rounds" in out.getvalue()

@@ -243,7 +243,7 @@ def test_c27_rotation_through_the_accelerate_api(tmp_path, new_accelerator):
     project = tmp_path / "proj"
     for n in (9, 10, 100, 1000):
         m = torch.nn.Linear(2, 2)
-        fastckpt.save_state(m, output_dir=project / "checkpoints" / f"checkpoint_{n}", model_only=True)
+        fastckpt.save_state(m, output_dir=project / "checkpoints" / f"checkpoint_{n}")
     acc, model, opt, sched, dl, ema = _everything(new_accelerator, 1, project=project, total_limit=2)
     path = fastckpt.accelerate.save_state(acc)
     assert path == (project / "checkpoints" / "checkpoint_1001").absolute()

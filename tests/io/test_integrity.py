@@ -196,9 +196,15 @@ def test_checkpoints_without_recorded_checksums_still_verify_sizes(copy, capsys)
 
 def test_cli_verify_file_and_not_a_checkpoint(good, tmp_path, capsys):
     ckpt, _ = good
-    assert cli(["verify", str(ckpt / "model.safetensors")]) == 0
+    assert cli(["verify", str(ckpt / "model.safetensors")]) == 0  # checked against the manifest beside it
     out = capsys.readouterr().out
     data = (ckpt / "model.safetensors").read_bytes()
+    assert f"{ckpt / 'model.safetensors'}: intact: 1 files, 9 tensors, {len(data):,} bytes checked" in out
+    lone = tmp_path / "lone" / "model.safetensors"  # a file with no manifest beside it
+    lone.parent.mkdir()
+    lone.write_bytes(data)
+    assert cli(["verify", str(lone)]) == 0
+    out = capsys.readouterr().out
     assert f"valid safetensors file: 9 tensors, {len(data):,} bytes read, crc32c {crc32c_hex(data)}" in out
     assert cli(["verify", str(tmp_path)]) == 2
     assert "no fastckpt.json" in capsys.readouterr().err

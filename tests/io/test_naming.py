@@ -24,7 +24,7 @@ def _linear(value: float) -> nn.Linear:
 
 def _committed(project, n: int, value: float | None = None):
     return fastckpt.save_state(_linear(float(n) if value is None else value),
-                               output_dir=project / "checkpoints" / f"checkpoint_{n}", model_only=True)
+                               output_dir=project / "checkpoints" / f"checkpoint_{n}")
 
 
 def _names(project) -> list[str]:
@@ -35,7 +35,7 @@ def test_c27_rotation_numeric_order(tmp_path):
     project = tmp_path / "proj"
     for n in (9, 10, 100, 1000):
         _committed(project, n)
-    path = fastckpt.save_state(_linear(5.0), project_dir=project, total_limit=2, model_only=True)
+    path = fastckpt.save_state(_linear(5.0), project_dir=project, total_limit=2)
     assert path.name == "checkpoint_1001"
     assert path.resolve() == (project / "checkpoints" / "checkpoint_1001").resolve()
     assert _names(project) == ["checkpoint_1000", "checkpoint_1001"]
@@ -48,18 +48,18 @@ def test_c27_rotation_numeric_order(tmp_path):
 
 def test_automatic_naming_counts_up_from_an_empty_project(tmp_path):
     project = tmp_path / "p"
-    first = fastckpt.save_state(_linear(1.0), project_dir=project, model_only=True)
+    first = fastckpt.save_state(_linear(1.0), project_dir=project)
     assert first.parent.resolve() == (project / "checkpoints").resolve()
     m = re.fullmatch(r"checkpoint_(\d+)", first.name)
     assert m, first.name
-    second = fastckpt.save_state(_linear(2.0), project_dir=project, model_only=True)
+    second = fastckpt.save_state(_linear(2.0), project_dir=project)
     assert second.name == f"checkpoint_{int(m.group(1)) + 1}"
     assert fastckpt.latest_checkpoint(project).resolve() == second.resolve()
 
 
 def test_automatic_naming_defaults_to_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    path = fastckpt.save_state(_linear(3.0), model_only=True)
+    path = fastckpt.save_state(_linear(3.0))
     assert path.parent.resolve() == (tmp_path / "checkpoints").resolve()
     assert fastckpt.latest_checkpoint().resolve() == path.resolve()
     assert fastckpt.latest_checkpoint(None).resolve() == path.resolve()
@@ -70,7 +70,7 @@ def test_automatic_naming_defaults_to_cwd(tmp_path, monkeypatch):
 
 def test_total_limit_keeps_the_newest_n(tmp_path):
     project = tmp_path / "p"
-    paths = [fastckpt.save_state(_linear(float(i)), project_dir=project, total_limit=3, model_only=True)
+    paths = [fastckpt.save_state(_linear(float(i)), project_dir=project, total_limit=3)
              for i in range(5)]
     assert _names(project) == sorted(p.name for p in paths[-3:])
     for p in paths[-3:]:
@@ -117,7 +117,7 @@ def test_other_folder_names_are_ignored(tmp_path):
     _committed(tmp_path, 1)
     for name in ("checkpoint_abc", "checkpoint_7_old", "ckpt_9", "checkpoint-8"):
         other = tmp_path / "checkpoints" / name
-        fastckpt.save_state(_linear(9.0), output_dir=other, model_only=True)  # committed, but not a numbered name
+        fastckpt.save_state(_linear(9.0), output_dir=other)  # committed, but not a numbered name
     assert fastckpt.latest_checkpoint(tmp_path).name == "checkpoint_1"
 
 
@@ -125,7 +125,7 @@ def test_next_number_is_largest_committed_plus_one(tmp_path):
     """PYTHON_API: n = largest *committed* + 1 (an uncommitted checkpoint_7 does not count)."""
     _committed(tmp_path, 5)
     (tmp_path / "checkpoints" / "checkpoint_7").mkdir()
-    path = fastckpt.save_state(_linear(1.0), project_dir=tmp_path, model_only=True)
+    path = fastckpt.save_state(_linear(1.0), project_dir=tmp_path)
     assert path.name == "checkpoint_6"
 
 

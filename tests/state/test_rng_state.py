@@ -81,6 +81,8 @@ def _add_cuda_states(ckpt, n_states: int) -> None:
     manifest_path = ckpt / "fastckpt.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][path.name]["bytes"] = path.stat().st_size
+    manifest["files"][path.name]["crc32c"] = f"{fastckpt._core.crc32c(path.read_bytes()):08x}"  # checked on load
+    manifest["files"][path.name].pop("tensors", None)
     manifest_path.write_text(json.dumps(manifest))
 
 

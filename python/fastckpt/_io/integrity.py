@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastckpt import _core
 from fastckpt._io.layout import MANIFEST, read_manifest
@@ -109,13 +109,17 @@ def _compare(report: VerifyReport, name: str, info: dict, actual: tuple) -> None
         report.files.setdefault(name, "ok" if want is not None else "no checksum recorded")
 
 
-def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> VerifyReport:
+def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, only: list[str] | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Read every file ``folder/fastckpt.json`` lists and compare sizes and crc32c checksums; raise nothing for
     damage, return it in the report.
 
     Args:
         folder: a checkpoint folder written by :func:`fastckpt.save_state`.
         threads: reader threads (0 = min(8, cores)); the files are summed in one parallel pass.
+        only: check only these files of the manifest (e.g. the one file ``fastckpt verify FILE`` names).
+        progress: ``progress(bytes_done, bytes_total)``, called after each file (the files are then summed one
+            after the other, each in parallel); for progress bars.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` when nothing is damaged. Files written before checksums were
@@ -124,11 +128,13 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ver
     Raises:
         MissingStateError: no manifest. HeaderError: a malformed manifest. OSError: a file cannot be read.
     """
-    folder = Path(folder)
+    folder = folder if isinstance(folder, Path) else Path(folder)
     manifest = read_manifest(folder, check_sizes=False)
     report = VerifyReport(folder)
     present: list[str] = []
     for name, info in manifest.get("files", {}).items():
+        if only is not None and name not in only:
+            continue
         path = folder / name
         try:
             actual = path.stat().st_size
@@ -142,8 +148,15 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ver
             report.files[name] = problem
             report.problems.append(problem)
         present.append(name)
-    sums = _core.checksum_files([str(folder / n) for n in present], threads=threads)
     files = manifest.get("files", {})
+    if progress is None:
+        sums = _core.checksum_files([os.fspath(folder / n) for n in present], threads=threads)
+    else:
+        sums, done, total = [], 0, sum(files[n]["bytes"] for n in present)
+        for name in present:
+            sums += _core.checksum_files([os.fspath(folder / name)], threads=threads)
+            done += files[name]["bytes"]
+            progress(done, total)
     for name, actual in zip(present, sums):
         _compare(report, name, files[name], actual)
     hashed = [n for n in present if isinstance(files[n].get("xxh3"), dict) and report.files.get(n) == "ok"]
@@ -159,7 +172,8 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ver
     return report
 
 
-def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> VerifyReport:
+def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0,
+                      progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """:func:`check_checkpoint`, raising when anything is damaged.
 
     Raises:
@@ -171,7 +185,7 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0) -> Ve
         >>> fastckpt.verify_checkpoint("checkpoints/checkpoint_3").tensors_checked
         42
     """
-    report = check_checkpoint(folder, threads=threads)
+    report = check_checkpoint(folder, threads=threads, progress=progress)
     if not report.ok:
         raise IntegrityError(report.message())
     return report

@@ -17,7 +17,12 @@ With ``max_shard_size`` a model or optimizer file over the limit becomes ``{base
 other objects (see :mod:`fastckpt.accelerate.tracked_objects`); ``compat="accelerate"`` writes accelerate's own files (see
 :mod:`fastckpt._plan.accelerate_format`) and records ``"layout": "accelerate"`` in the manifest.
 
-Automatic naming follows accelerate's ``ProjectConfiguration``: ``{project_dir}/checkpoints/checkpoint_{n}``.
+Automatic naming follows accelerate's ``ProjectConfiguration``: full checkpoints go to
+``{project_dir}/checkpoints/checkpoint_{n}``; model-only snapshots to ``{project_dir}/model_only/checkpoint_{n}``,
+numbered and rotated on their own (``total_limit`` keeps the newest N of each kind), so frequent model-only
+snapshots never push a resumable checkpoint out, and ``load_state(input_dir=None)`` (a full load) always finds the
+newest *full* checkpoint (a model-only folder found under ``checkpoints/``, e.g. from an older fastckpt, is skipped
+by full loads and by the rotation of full checkpoints).
 
 Which layout a folder holds (:func:`checkpoint_layout`): a folder with ``fastckpt.json`` is fastckpt's (its
 ``layout`` entry says ``"accelerate"`` for a ``compat="accelerate"`` save); a folder without it is accelerate's when
@@ -41,10 +46,13 @@ from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
-    "is_committed",
+    "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY",
 ]
 
 MANIFEST = "fastckpt.json"
+SAVE_ID_KEY = "fastckpt.save_id"  # in every safetensors file's metadata and (as "save_id") in the manifest
+CHECKPOINTS_DIR = "checkpoints"  # full checkpoints with automatic naming
+MODEL_ONLY_DIR = "model_only"  # model-only snapshots with automatic naming
 FORMAT_VERSION = 1
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 _FASTCKPT_ONLY_RE = re.compile(
@@ -228,41 +236,61 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
             raise bad(f"files[{name!r}]['xxh3'] must map tensor names to 32 hex digits")
 
 
-def checkpoint_numbers(project_dir: Path) -> dict[int, Path]:
-    """Committed automatic checkpoints under ``project_dir/checkpoints``: ``{n: folder}`` (see :func:`is_committed`)."""
-    root = project_dir / "checkpoints"
+def saved_mode(folder: Path) -> str:
+    """``"full"`` or ``"model_only"``: the manifest's mode of a committed folder (stock accelerate: ``"full"``)."""
+    try:
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "full"
+    return "model_only" if isinstance(data, dict) and data.get("mode") == "model_only" else "full"
+
+
+def checkpoint_numbers(project_dir: Path, *, model_only: bool = False, full_only: bool = False) -> dict[int, Path]:
+    """Committed automatic checkpoints: ``{n: folder}`` (see :func:`is_committed`).
+
+    ``model_only``: the model-only snapshots under ``project_dir/model_only``; otherwise the checkpoints under
+    ``project_dir/checkpoints`` (``full_only``: only those saved in full, the ones a full load can resume from).
+    """
+    root = project_dir / (MODEL_ONLY_DIR if model_only else CHECKPOINTS_DIR)
     found: dict[int, Path] = {}
     if not root.is_dir():
         return found
     for entry in root.iterdir():
         m = _CHECKPOINT_RE.match(entry.name)
-        if m and entry.is_dir() and is_committed(entry):
+        if m and entry.is_dir() and is_committed(entry) and not (full_only and saved_mode(entry) == "model_only"):
             found[int(m.group(1))] = entry
     return found
 
 
-def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None) -> Path | None:
-    """The committed checkpoint with the largest number in ``{project_dir}/checkpoints`` (numeric order), or None.
+def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None, *, model_only: bool = False) -> Path | None:
+    """The newest committed checkpoint (largest number, numeric order), or None.
 
-    ``project_dir`` defaults to the current directory. Unfinished saves are never chosen; stock accelerate
+    ``project_dir`` defaults to the current directory. Without ``model_only``: the newest *full* checkpoint in
+    ``{project_dir}/checkpoints`` (what a full ``load_state(input_dir=None)`` resumes from); with it: the newest
+    model-only snapshot in ``{project_dir}/model_only``. Unfinished saves are never chosen; stock accelerate
     checkpoints count (see :func:`is_committed`).
     """
-    numbers = checkpoint_numbers(Path(project_dir if project_dir is not None else os.getcwd()))
+    root = Path(project_dir if project_dir is not None else os.getcwd())
+    numbers = checkpoint_numbers(root, model_only=model_only, full_only=not model_only)
     return numbers[max(numbers)] if numbers else None
 
 
-def next_checkpoint_dir(project_dir: Path) -> Path:
-    """``checkpoints/checkpoint_{n}`` with n one above the largest *committed* number (0 when none).
+def next_checkpoint_dir(project_dir: Path, *, model_only: bool = False) -> Path:
+    """``checkpoints/checkpoint_{n}`` (``model_only/checkpoint_{n}`` for a model-only save) with n one above the
+    largest *committed* number in that folder (0 when none).
 
     A folder left by an unfinished save (no manifest) does not count; if it sits at ``n`` it is replaced whole
     when the new checkpoint is committed.
     """
-    numbers = checkpoint_numbers(project_dir)
-    return project_dir / "checkpoints" / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
+    numbers = checkpoint_numbers(project_dir, model_only=model_only)
+    root = project_dir / (MODEL_ONLY_DIR if model_only else CHECKPOINTS_DIR)
+    return root / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
 
 
-def rotate_checkpoints(project_dir: Path, total_limit: int) -> list[Path]:
-    """Remove the oldest committed checkpoints (numeric order) so that ``total_limit`` remain; returns removed.
+def rotate_checkpoints(project_dir: Path, total_limit: int, *, model_only: bool = False) -> list[Path]:
+    """Remove the oldest committed checkpoints of one kind (numeric order) so that ``total_limit`` remain; returns
+    the removed folders. Full checkpoints (``checkpoints/``, model-only folders there are neither counted nor
+    removed) and model-only snapshots (``model_only/``) are rotated apart.
 
     Each is first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it stops counting at once and a
     removal cut short never leaves a half-deleted ``checkpoint_N`` behind; the next save clears such leftovers.
@@ -271,7 +299,7 @@ def rotate_checkpoints(project_dir: Path, total_limit: int) -> list[Path]:
 
     if total_limit < 1:
         raise ValueError(f"total_limit must be >= 1, got {total_limit}")
-    numbers = checkpoint_numbers(project_dir)
+    numbers = checkpoint_numbers(project_dir, model_only=model_only, full_only=not model_only)
     removed = []
     for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
         with OwnedPath(numbers[n].parent, numbers[n].name, "trash") as trash:

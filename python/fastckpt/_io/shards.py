@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fastckpt import _core
+from fastckpt._io.folder import open_safetensors
 from fastckpt.errors import HeaderError, IntegrityError, KeyMismatchError, MissingStateError
 
 __all__ = [
@@ -174,7 +174,7 @@ def _open_shards(folder: Path, index: Path) -> list[Any]:
             f"{index}: {len(missing)} of {len(shards)} shard(s) listed in the index are not in {folder}: "
             f"{missing}. Nothing was loaded."
         )
-    files = [_core.SafetensorsFile(str(folder / s)) for s in shards]
+    files = [open_safetensors(folder / s) for s in shards]
     seen: dict[str, str] = {}
     for shard, file in zip(shards, files):
         for name, *_ in file.tensors():
@@ -210,7 +210,7 @@ def open_state_files(folder: Path, base: str, what: str) -> list[Any]:
     """
     single = folder / f"{base}.safetensors"
     if single.is_file():
-        return [_core.SafetensorsFile(str(single))]
+        return [open_safetensors(single)]
     index = folder / index_name(base)
     if index.is_file():
         return _open_shards(folder, index)

@@ -14,19 +14,51 @@ the lock when the owner dies, however it dies (SIGKILL included), so:
 A commit on a file system without ``RENAME_EXCHANGE`` parks the old checkpoint at ``{staging}.old.{pid}`` for a
 moment; if its owner died there and the target is missing, the cleanup puts the old checkpoint back.
 Leftovers of another user that this process may not remove are left alone (best effort, never an error).
+
+Names stay within ``NAME_MAX`` (255 bytes): a target name longer than 180 bytes appears shortened, with a hash of the
+whole name (:func:`short_name`); the lock file records the real target name. A save does not list a parent folder
+it listed before and that nobody changed since (its modification time is remembered), so saving next to tens of
+thousands of other files costs no listing per save.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import secrets
 import shutil
+import threading
 from pathlib import Path
 
-__all__ = ["OwnedPath", "clean_leftovers", "leftovers"]
+__all__ = ["OwnedPath", "clean_leftovers", "leftovers", "short_name"]
+
+_MAX_TARGET_BYTES = 180  # + ".fastckpt-staging-{pid}-{token}.old.{pid}.lock" stays under NAME_MAX = 255
+_scanned: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of a parent -> st_mtime_ns after our last look
+_scanned_lock = threading.Lock()
+
+
+def short_name(name: str) -> str:
+    """``name``, or for one over 180 bytes (UTF-8) its first bytes + ``~`` + 16 hex digits of its sha256, so every
+    temporary name built from it fits ``NAME_MAX``."""
+    raw = os.fsencode(name)
+    if len(raw) <= _MAX_TARGET_BYTES:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return os.fsdecode(raw[:_MAX_TARGET_BYTES - 17]).encode("utf-8", "ignore").decode("utf-8", "ignore") + "~" + digest
+
+
+def remember_scanned(parent: Path) -> None:
+    """Record ``parent``'s modification time as seen by this process (after our own changes to it), so the next
+    :func:`clean_leftovers` skips listing it unless someone else changed it."""
+    try:
+        st = os.stat(parent)
+    except OSError:
+        return
+    with _scanned_lock:
+        _scanned[(st.st_dev, st.st_ino)] = st.st_mtime_ns
 
 _NAME_RE = re.compile(
     r"^\.(?P<target>.+)\.fastckpt-(?P<kind>staging|trash)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})"
@@ -48,7 +80,7 @@ class OwnedPath:
         if kind not in ("staging", "trash"):
             raise ValueError(f"kind must be 'staging' or 'trash', got {kind!r}")
         while True:
-            self.path = parent / f".{target_name}.fastckpt-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+            self.path = parent / f".{short_name(target_name)}.fastckpt-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
             self.lock_path = parent / (self.path.name + ".lock")
             try:
                 fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -56,7 +88,7 @@ class OwnedPath:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.write(fd, f"{os.getpid()}\n".encode())
+                os.write(fd, f"{os.getpid()}\n".encode() + os.fsencode(target_name) + b"\n")
                 # A cleaner may have taken the fresh file for a dead owner's and unlinked it: start again.
                 if os.stat(self.lock_path).st_ino != os.fstat(fd).st_ino:
                     raise FileNotFoundError(self.lock_path)
@@ -82,8 +114,7 @@ class OwnedPath:
             return
         try:
             _remove(self.path)
-            for parked in self.path.parent.glob(glob_escape(self.path.name) + ".old.*"):
-                _remove(parked)
+            _remove(self.path.with_name(f"{self.path.name}.old.{os.getpid()}"))  # the commit's parking name
             _unlink(self.lock_path)
         finally:
             os.close(self._fd)
@@ -162,12 +193,33 @@ def _owner_is_dead(lock: Path, pid: int) -> tuple[bool, int | None]:
     return True, fd
 
 
+def _unchanged_since_scan(parent: Path) -> bool:
+    try:
+        st = os.stat(parent)
+    except OSError:
+        return False
+    with _scanned_lock:
+        return _scanned.get((st.st_dev, st.st_ino)) == st.st_mtime_ns
+
+
+def _target_name(lock: Path, fallback: str) -> str:
+    """The real target name recorded in a lock file (its second line), else ``fallback``."""
+    try:
+        lines = lock.read_bytes().split(b"\n")
+    except OSError:
+        return fallback
+    return os.fsdecode(lines[1]) if len(lines) > 2 and lines[1] else fallback
+
+
 def clean_leftovers(parent: Path) -> list[Path]:
     """Remove what dead saves and rotations left in ``parent`` (see the module docs); returns the removed paths.
 
-    Entries of live owners are never touched; entries that cannot be removed (another user's) are skipped.
+    Entries of live owners are never touched; entries that cannot be removed (another user's) are skipped. A
+    parent this process listed before and that nobody changed since is not listed again.
     """
     removed: list[Path] = []
+    if _unchanged_since_scan(parent):
+        return removed
     for base, names in leftovers(parent).items():
         m = _NAME_RE.match(base)
         assert m is not None
@@ -175,7 +227,7 @@ def clean_leftovers(parent: Path) -> list[Path]:
         if not dead:
             continue
         try:
-            target = parent / m.group("target")
+            target = parent / _target_name(parent / (base + ".lock"), m.group("target"))
             for name in sorted(names, key=lambda n: n.endswith(".lock")):
                 path = parent / name
                 if name.endswith(".lock"):

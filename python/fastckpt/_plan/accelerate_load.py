@@ -163,7 +163,7 @@ def positional_optimizer_state(optimizer: Any, state: Any, *, path: Path, map_lo
 
 def plan_accelerate_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
                          strict: bool = True, map_location: Any = None, trust_pickle: bool = False,
-                         rank: int | None = 0, manifest_mode: str | None = None) -> Any:
+                         rank: int | None = 0, manifest_mode: str | None = None, cast: bool = False) -> Any:
     """Phase 1 of loading an accelerate-layout folder: read and validate everything; change nothing.
 
     Args:
@@ -193,7 +193,7 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
     load = LoadPlan()
     for i, m in enumerate(models):
         files = open_model_files(folder, i, trust_pickle=trust_pickle)
-        plan = plan_module_load(_matching_module(m, files), files, strict=strict)
+        plan = plan_module_load(_matching_module(m, files), files, strict=strict, cast=cast)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]

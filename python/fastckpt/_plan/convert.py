@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -292,7 +292,8 @@ def _plan(snap: Snapshot, to: str, max_shard_size: Any) -> SavePlan:
 
 def convert(src: Path, dst: Path, *, to: str = "fastckpt", models: list[torch.nn.Module] | None = None,
             optimizers: list[Any] | None = None, max_shard_size: int | str | None = None,
-            trust_pickle: bool = False, durable: bool = True) -> Snapshot:
+            trust_pickle: bool = False, durable: bool = True,
+            progress: Callable[[int, int], None] | None = None) -> Snapshot:
     """Convert the checkpoint folder ``src`` into ``dst`` (committed atomically) in the layout ``to``.
 
     Args:
@@ -301,6 +302,7 @@ def convert(src: Path, dst: Path, *, to: str = "fastckpt", models: list[torch.nn
         models / optimizers: the live model(s) (and optimizer(s)) that give positional optimizer state its fqns.
         max_shard_size: shard model and optimizer files (fastckpt / hf-model targets); bytes or ``"10GB"``.
         trust_pickle: allow full unpickling of accelerate files that need it.
+        progress: ``progress(bytes_done, bytes_total)`` while the source's checksums are verified (a progress bar).
 
     Returns:
         The :class:`Snapshot` that was written (``notes`` lists what could not be converted).
@@ -320,7 +322,7 @@ def convert(src: Path, dst: Path, *, to: str = "fastckpt", models: list[torch.nn
     if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
         raise ValueError(f"DST must not be SRC, inside it, or contain it: {src} -> {dst}")
     if (Path(src) / MANIFEST).is_file():
-        verify_checkpoint(src)  # refuse to launder damaged bytes into a freshly checksummed copy
+        verify_checkpoint(src, progress=progress)  # refuse to launder damaged bytes into a freshly checksummed copy
     snap = read_snapshot(Path(src), trust_pickle=trust_pickle)
     if models is not None and to == "fastckpt":
         map_positions(snap, models, optimizers)

@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._io.folder import open_safetensors
 from fastckpt._io.layout import (
     MANIFEST,
     checkpoint_layout,
-    latest_checkpoint,
+    checkpoint_numbers,
     part_name,
     random_states_name,
     read_manifest,
@@ -25,34 +25,50 @@ from fastckpt._io.layout import (
 from fastckpt._io.shards import open_state_file, open_state_files
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import plan_module_load
-from fastckpt._state.optimizer import param_fqns, read_optimizer_state
+from fastckpt._state.optimizer import optimizer_class_name, param_fqns, read_optimizer_state
 from fastckpt._state.peft_adapter import ADAPTER_FILE, is_peft_model, key_map
 from fastckpt._state.rng import read_rng_state
+from fastckpt._state.scheduler import scheduler_class_name, scheduler_fits
 from fastckpt._state.state_check import check_state_like
 from fastckpt._state.trainable import check_frozen
 from fastckpt.errors import MissingStateError
 
-__all__ = ["resolve_input_dir", "LoadPlan", "plan_load"]
+__all__ = ["resolve_input_dir", "check_input_dir", "LoadPlan", "plan_load"]
 
 
-def resolve_input_dir(input_dir: Any, project_dir: Any) -> Path:
+def resolve_input_dir(input_dir: Any, project_dir: Any, *, full: bool = False) -> Path:
+    """The folder to load: ``input_dir``, or the latest committed checkpoint (``full``: saved in full)."""
     if input_dir is not None:
-        folder = Path(input_dir)
-        if not folder.is_dir():
-            raise MissingStateError(f"{folder}: no such checkpoint folder")
-        return folder
+        return check_input_dir(Path(input_dir))
     root = Path(project_dir if project_dir is not None else os.getcwd())
-    latest = latest_checkpoint(root)
-    if latest is None:
-        raise MissingStateError(f"{root / 'checkpoints'}: no committed checkpoint (no checkpoint_N with {MANIFEST})")
-    return latest
+    numbers = checkpoint_numbers(root, full_only=full)
+    if not numbers:
+        what = "full checkpoint" if full and checkpoint_numbers(root) else "checkpoint"
+        raise MissingStateError(f"{root / 'checkpoints'}: no committed {what} (no checkpoint_N with {MANIFEST})")
+    return numbers[max(numbers)]
+
+
+def check_input_dir(folder: Path) -> Path:
+    """``folder`` if it is a folder.
+
+    Raises:
+        MissingStateError: nothing is there, or it is a file (the message says which, and for a file names the
+            folder that holds it).
+    """
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise MissingStateError(
+            f"{folder}: is a file, not a checkpoint folder; pass the folder that holds it ({folder.parent})"
+        )
+    raise MissingStateError(f"{folder}: no such checkpoint folder")
 
 
 def _open_part(folder: Path, name: str, what: str) -> Any:
     path = folder / name
     if not path.is_file():
         raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold")
-    return _core.SafetensorsFile(str(path))
+    return open_safetensors(path)
 
 
 def positional_fqns(optimizer: Any) -> dict[int, str]:
@@ -63,7 +79,7 @@ def positional_fqns(optimizer: Any) -> dict[int, str]:
 
 def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
               strict: bool = True, map_location: Any = None, trust_pickle: bool = False, rank: int | None = 0,
-              fqn_models: list | None = None) -> LoadPlan:
+              fqn_models: list | None = None, cast: bool = False) -> LoadPlan:
     """Phase 1 of a load: read and validate everything ``folder`` must provide; change nothing.
 
     Reads fastckpt's layout (sharded model / optimizer files included) and accelerate's (see
@@ -74,6 +90,8 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         rank: whose ``random_states_{rank}`` file to restore; None restores no RNG state.
         fqn_models: the models whose parameter names key the optimizer state (default: ``models``; accelerate's
             load hooks may take models out of ``models``).
+        cast: model tensors stored in another dtype are cast to the live tensor's dtype (as torch's
+            ``load_state_dict`` does) instead of refused.
 
     Raises:
         MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError,
@@ -86,7 +104,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         mode = read_manifest(folder).get("mode") if (folder / MANIFEST).is_file() else None
         return plan_accelerate_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                     map_location=map_location, trust_pickle=trust_pickle, rank=rank,
-                                    manifest_mode=mode)
+                                    manifest_mode=mode, cast=cast)
     manifest = read_manifest(folder, model_files_only=model_only)
     if model_only:
         optimizers, schedulers = [], []
@@ -114,7 +132,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
             files, rename = [_open_part(folder, ADAPTER_FILE, "a PEFT adapter load")], key_map(m) if is_peft_model(m) else {}
         else:
             files, rename = open_state_files(folder, part_name("model", i, ""), f"model {i}"), None
-        plan = plan_module_load(m, files, strict=strict, rename=rename, exempt=exempt)
+        plan = plan_module_load(m, files, strict=strict, rename=rename, exempt=exempt, cast=cast)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]
@@ -126,9 +144,19 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         state = read_optimizer_state(opt, file, positional_fqns(opt) if positional else fqns, strict=strict,
                                      map_location=map_location, defer=load.live_reads,
                                      label=part_name("optimizer", j, ""))
-        load.optimizers.append((opt, state))
+        if state is None:
+            load.skipped.append(f"{part_name('optimizer', j, '')}: saved by {(file.metadata() or {}).get('optimizer')}, "
+                                f"the live optimizer is {optimizer_class_name(opt)}; it keeps its own state")
+        else:
+            load.optimizers.append((opt, state))
+    saved_classes = manifest.get("scheduler_classes")
     for k, sched in enumerate(schedulers):
         path = folder / part_name("scheduler", k, ".json")
+        saved_class = saved_classes[k] if isinstance(saved_classes, list) and k < len(saved_classes) else None
+        if not scheduler_fits(saved_class, sched, strict=strict, where=str(path)):
+            load.skipped.append(f"{path.name}: saved by {saved_class}, the live scheduler is "
+                                f"{scheduler_class_name(sched)}; it keeps its own state")
+            continue
         try:
             where = f"{path}: not a valid fastckpt scheduler state"
             state = decode_json(load_json(path.read_bytes(), where), where)

@@ -21,6 +21,7 @@ from fastckpt._state.model import collect_model_state
 from fastckpt._state.optimizer import optimizer_payload, param_fqns
 from fastckpt._state.peft_adapter import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config_json, adapter_state, is_peft_model
 from fastckpt._state.rng import rng_payload
+from fastckpt._state.scheduler import scheduler_class_name
 from fastckpt._state.trainable import split_state
 
 __all__ = ["FilePart", "SavePlan", "build_save_plan"]
@@ -170,6 +171,8 @@ def build_save_plan(
             keys = sorted(json.loads(metadata["positional_params"]), key=lambda k: int(k[1:]))
             plan.counts.setdefault("positional_params", {})[part_name("optimizer", j, "")] = keys
         plan.parts.append(FilePart(part_name("optimizer", j, ".safetensors"), tensors, list(metadata.items())))
+    if schedulers:
+        plan.counts["scheduler_classes"] = [scheduler_class_name(s) for s in schedulers]
     for k, sched in enumerate(schedulers):
         state = encode(sched.state_dict(), path=part_name("scheduler", k, ""))
         plan.texts[part_name("scheduler", k, ".json")] = json.dumps(state)

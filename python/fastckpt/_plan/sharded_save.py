@@ -42,7 +42,7 @@ from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict, part_name, random_states_name
 from fastckpt._io.staging import OwnedPath, clean_leftovers
-from fastckpt._state.model import model_config_json
+from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.rng import rng_payload
 from fastckpt._state.sharded import model_tensors, optimizer_tensors, owner_model
 
@@ -121,9 +121,7 @@ def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], staging: Path, writer_f
 
 
 def _small_files(models: list, optimizer_texts: list[str], schedulers: list, *, model_only: bool) -> dict[str, str]:
-    texts: dict[str, str] = {}
-    if models and (config := model_config_json(models[0])) is not None:
-        texts["config.json"] = config
+    texts: dict[str, str] = hf_model_files(models[0]) if models else {}  # config.json, generation_config.json
     if model_only:
         return texts
     for j, text in enumerate(optimizer_texts):

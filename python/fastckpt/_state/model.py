@@ -18,6 +18,7 @@ import torch
 
 from fastckpt._format.dtypes import to_safetensors_dtype, torch_shape
 from fastckpt._format.tensors import destination_buffer, tensor_from_buffer
+from fastckpt._state.destinations import check_destination
 from fastckpt._state.key_match import canonical_fqn, untied_conflicts
 from fastckpt.errors import DtypeError, KeyMismatchError, ShapeMismatchError
 
@@ -139,16 +140,20 @@ def _file_aliases(file: object, names: set[str]) -> dict[str, str]:
 
 
 def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = True,
-                     rename: Mapping[str, str] | None = None, exempt: Collection[str] = ()) -> ModelLoadPlan:
+                     rename: Mapping[str, str] | None = None, exempt: Collection[str] = (),
+                     cast: bool = False) -> ModelLoadPlan:
     """Check ``files`` (opened ``_core.SafetensorsFile`` objects, e.g. shards) against ``module``; change nothing.
 
     ``rename``: ``{name in the files: state_dict name}`` for files keyed otherwise (PEFT's adapter keys).
     ``exempt``: state_dict names that are not missing when the files lack them (frozen weights already checked).
+    ``cast``: a stored dtype other than the live tensor's is cast on load (``copy_``, as torch's ``load_state_dict``
+    does) instead of refused.
 
     Raises:
         KeyMismatchError: ``strict`` and names are missing or unexpected (both lists in the message).
         ShapeMismatchError: a stored shape differs from the live tensor's (names file, tensor, both shapes).
-        DtypeError: a stored dtype differs from the live tensor's (no silent casts; names both dtypes).
+        DtypeError: a stored dtype differs from the live tensor's and not ``cast`` (no silent casts; names both
+            dtypes and ``cast=True``).
     """
     sources: dict[str, _Source] = {}  # by canonical name (torch.compile's _orig_mod. dropped)
     aliases: dict[str, str] = {}
@@ -198,10 +203,11 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
                 "materialize the model first, e.g. model.to_empty(device='cpu')"
             )
         want_dtype = to_safetensors_dtype(dst.dtype, name=name)
-        if src.dtype != want_dtype:
+        if src.dtype != want_dtype and not cast:
             raise DtypeError(
                 f"{src.file.path}: tensor {src.name!r} is stored as {src.dtype} but {name!r} in "
-                f"{type(module).__name__} is {dst.dtype} ({want_dtype}); fastckpt never casts silently"
+                f"{type(module).__name__} is {dst.dtype} ({want_dtype}); fastckpt never casts silently: pass "
+                "cast=True to cast it as torch's load_state_dict would"
             )
         shape = torch_shape(src.dtype, src.shape, name=src.name, path=src.file.path)
         if list(dst.shape) != shape:
@@ -209,6 +215,7 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
                 f"{src.file.path}: tensor {src.name!r} has shape {shape} but {name!r} in "
                 f"{type(module).__name__} has shape {list(dst.shape)}"
             )
+        check_destination(dst, name, type(module).__name__)
     return plan
 
 
@@ -227,7 +234,14 @@ def apply_module_load(plan: ModelLoadPlan, *, threads: int = 0) -> None:
         seen.add(key)
         if src.end == src.begin:
             continue
-        buf = destination_buffer(dst)
+        same_dtype = src.dtype == to_safetensors_dtype(dst.dtype, name=_name)
+        buf = destination_buffer(dst) if same_dtype else None  # a cast (cast=True) goes through copy_
+        if not same_dtype and dst.device.type == "cuda":
+            view = memoryview(src.file)
+            start = src.file.data_start
+            dst.copy_(tensor_from_buffer(view, src.dtype, src.shape, start + src.begin, start + src.end,
+                                         name=src.name, path=src.file.path))
+            continue
         if buf is not None:
             direct.setdefault(id(src.file), (src.file, []))[1].append((src.name, buf))
         elif dst.device.type == "cuda":

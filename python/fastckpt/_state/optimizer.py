@@ -197,6 +197,27 @@ def _load_json(metadata: dict[str, str], key: str, path: str) -> Any:
     return value
 
 
+def optimizer_fits(saved_class: Any, optimizer: Any, *, strict: bool, path: str, label: str) -> bool:
+    """Whether state saved by ``saved_class`` may be loaded into ``optimizer``; False (not ``strict``): another
+    class, whose ``param_groups`` and state keys would not fit (AdamW's groups in SGD fail its next ``step()``), so
+    the live optimizer keeps its own state.
+
+    Raises:
+        KeyMismatchError: ``strict`` and another class saved the state (names both).
+    """
+    live_class = optimizer_class_name(optimizer)
+    stand_in = (saved_class or "").startswith("fastckpt.") or live_class.startswith("fastckpt.")  # fastckpt convert
+    if not isinstance(saved_class, str) or stand_in or saved_class == live_class:
+        return True
+    if strict:
+        raise KeyMismatchError(
+            f"{path}: the state was saved by {saved_class} but the live {label} is {live_class}; its state keys "
+            f"would not fit. With strict=False the live {label} keeps its own state (reported in "
+            "LoadResult.skipped). Nothing was changed."
+        )
+    return False
+
+
 def read_optimizer_state(
     optimizer: torch.optim.Optimizer,
     file: Any,
@@ -206,8 +227,10 @@ def read_optimizer_state(
     map_location: Any = None,
     label: str = "optimizer",
     defer: list | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Read an optimizer file into a positional state dict for ``optimizer.load_state_dict``; changes nothing.
+
+    Returns None (nothing read) when, under ``strict=False``, another optimizer class saved the state.
 
     Tensors are read (parallel positional reads) into fresh CPU tensors, so nothing aliases the file.
 
@@ -226,6 +249,8 @@ def read_optimizer_state(
     """
     path = file.path
     metadata = file.metadata() or {}
+    if not optimizer_fits(metadata.get("optimizer"), optimizer, strict=strict, path=path, label=label):
+        return None
     saved_groups = _load_json(metadata, "param_groups", path)
     state_names = _load_json(metadata, "state_names", path)
     extra = _load_json(metadata, "extra_state", path)
@@ -277,14 +302,6 @@ def read_optimizer_state(
     _check_positional(optimizer, live, fqns, metadata, path, label)
     if defer is not None:
         _defer_positional_values(optimizer, live, entries, file, defer)
-    saved_class = metadata.get("optimizer")
-    live_class = optimizer_class_name(optimizer)
-    stand_in = (saved_class or "").startswith("fastckpt.") or live_class.startswith("fastckpt.")  # fastckpt convert
-    if strict and saved_class is not None and not stand_in and saved_class != live_class:
-        raise KeyMismatchError(
-            f"{path}: the state was saved by {saved_class} but the live {label} is {live_class}; its state keys "
-            "would not fit (load with strict=False to take the param_groups and state anyway)"
-        )
     if strict and len(saved_groups) != len(optimizer.param_groups):
         raise KeyMismatchError(
             f"{path}: {len(saved_groups)} param_groups were saved but the live {label} has "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,8 +39,16 @@ from typing import Any, Sequence
 import torch
 
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, agree, check_timeout, gather_to_main, on_main
-from fastckpt._io.layout import checkpoint_layout, checkpoint_numbers, random_states_name, rotate_checkpoints
-from fastckpt._plan.load import plan_load
+from fastckpt._io.folder import opened_files, pinned
+from fastckpt._io.layout import (
+    checkpoint_layout,
+    checkpoint_numbers,
+    next_checkpoint_dir,
+    random_states_name,
+    rotate_checkpoints,
+)
+from fastckpt._io.log import log_load
+from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
@@ -85,17 +94,26 @@ def _project_root(accelerator: Any) -> Path:
     return Path(accelerator.project_dir if accelerator.project_dir is not None else os.getcwd()).absolute()
 
 
-def _choose_target(accelerator: Any, output_dir: Any) -> tuple[Path, int | None]:
-    """(target folder, automatic number or None). Runs on the main process."""
+def _choose_target(accelerator: Any, output_dir: Any, model_only: bool) -> tuple[Path, int | None]:
+    """(target folder, automatic number or None). Runs on the main process.
+
+    An explicit ``output_dir`` is always used; otherwise automatic naming puts a full save in
+    ``checkpoints/checkpoint_{n}`` (n = max(iteration, largest committed + 1)) and a model-only save in
+    ``model_only/checkpoint_{n}`` (its own numbering, see :mod:`fastckpt._io.layout`).
+    """
     config = accelerator.project_configuration
-    if config.automatic_checkpoint_naming:
-        numbers = checkpoint_numbers(_project_root(accelerator))
-        n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
-        return _project_root(accelerator) / "checkpoints" / f"checkpoint_{n}", n
-    if output_dir is None:
+    if output_dir is not None:
+        return Path(output_dir).expanduser().absolute(), None
+    if not config.automatic_checkpoint_naming:
         raise ValueError("output_dir is required unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
-    return Path(output_dir).expanduser().absolute(), None
+    root = _project_root(accelerator)
+    if model_only:
+        target = next_checkpoint_dir(root, model_only=True)
+        return target, int(target.name.rsplit("_", 1)[1])
+    numbers = checkpoint_numbers(root)
+    n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
+    return root / "checkpoints" / f"checkpoint_{n}", n
 
 
 def save_state(
@@ -117,10 +135,12 @@ def save_state(
 
     Args:
         accelerator: an ``accelerate.Accelerator`` after ``prepare``.
-        output_dir: the checkpoint folder (replaced atomically if it exists). Ignored, as accelerate ignores it,
-            when ``ProjectConfiguration(automatic_checkpoint_naming=True)``: the folder is then
-            ``{project_dir}/checkpoints/checkpoint_{n}`` with n = max(``iteration``, largest committed + 1), and
-            ``total_limit`` removes the oldest committed checkpoints (numeric order) after the commit.
+        output_dir: the checkpoint folder (replaced atomically if it exists); always used when given (no
+            rotation then). None with ``ProjectConfiguration(automatic_checkpoint_naming=True)``: a full save goes
+            to ``{project_dir}/checkpoints/checkpoint_{n}`` with n = max(``iteration``, largest committed + 1), a
+            model-only save to ``{project_dir}/model_only/checkpoint_{n}`` (numbered apart, ``iteration``
+            unchanged); ``total_limit`` then removes the oldest committed ones of that kind (numeric order) after
+            the commit, so model-only snapshots never rotate full checkpoints away.
         model_only: write only the model weights (+ ``config.json`` for a transformers model); optimizers,
             schedulers, RNG and registered objects are not read.
         compat: None (fastckpt's layout, no pickle) or ``"accelerate"``: exactly the files
@@ -168,8 +188,8 @@ def save_state(
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    target, number = on_main(lambda: _choose_target(accelerator, output_dir), what="choosing the checkpoint folder",
-                             timeout=timeout)
+    target, number = on_main(lambda: _choose_target(accelerator, output_dir, model_only),
+                             what="choosing the checkpoint folder", timeout=timeout)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
     full_optimizers = None
@@ -230,24 +250,23 @@ def save_state(
             after_commit(target)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
-            rotate_checkpoints(_project_root(accelerator), limit)
+            rotate_checkpoints(_project_root(accelerator), limit, model_only=model_only)
         return target
 
     path = on_main(write, what=f"saving {target}", timeout=timeout)  # the outcome broadcast ends the save
     config = accelerator.project_configuration
-    config.iteration = number + 1 if number is not None else config.iteration + 1
+    if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
+        config.iteration = number + 1 if number is not None else config.iteration + 1
     return path
 
 
-def _resolve(accelerator: Any, input_dir: Any) -> Path:
+def _resolve(accelerator: Any, input_dir: Any, model_only: bool) -> Path:
     if input_dir is not None:
-        folder = Path(input_dir).expanduser()
-        if not folder.is_dir():
-            raise MissingStateError(f"{folder}: no such checkpoint folder")
-        return folder.absolute()
-    numbers = checkpoint_numbers(_project_root(accelerator))
+        return check_input_dir(Path(input_dir).expanduser()).absolute()
+    numbers = checkpoint_numbers(_project_root(accelerator), full_only=not model_only)
     if not numbers:
-        raise MissingStateError(f"{_project_root(accelerator) / 'checkpoints'}: no committed checkpoint_N to load")
+        what = "checkpoint_N" if model_only else "checkpoint_N saved in full"
+        raise MissingStateError(f"{_project_root(accelerator) / 'checkpoints'}: no committed {what} to load")
     return numbers[max(numbers)].absolute()
 
 
@@ -272,13 +291,15 @@ def load_state(
     trust_pickle: bool = False,
     threads: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
+    cast: bool = False,
 ) -> LoadResult:
     """Restore everything ``accelerator`` tracks from a fastckpt or a stock accelerate checkpoint.
 
     Args:
         accelerator: the ``accelerate.Accelerator``, with the same objects prepared and registered as when saving.
         input_dir: the checkpoint folder; None: the latest committed ``{project_dir}/checkpoints/checkpoint_N``
-            (numeric order; stock accelerate folders count, unfinished saves never do).
+            (numeric order; for a full load the latest saved in full; stock accelerate folders count, unfinished
+            saves never do).
         model_only: restore only the model weights (from a model-only or a full checkpoint); ``accelerator.step``,
             RNG states and everything else are left as they are.
         strict: as :func:`fastckpt.load_state` (model keys; optimizer coverage).
@@ -287,6 +308,8 @@ def load_state(
             allowlist refuses a file (a pickled sampler or custom object). It can run arbitrary code.
         threads: reader threads; 0 picks min(8, cores).
         timeout: seconds each process waits for the others at any step (CollectiveTimeoutError after it).
+        cast: cast model weights stored in another dtype to the live dtype (as torch's ``load_state_dict``);
+            default False refuses them (DtypeError).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the models. Also sets ``accelerator.step`` from the RNG
@@ -308,7 +331,8 @@ def load_state(
     """
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
-    folder = on_main(lambda: _resolve(accelerator, input_dir), what="finding the checkpoint", timeout=timeout)
+    folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
+                     timeout=timeout)
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
@@ -321,20 +345,24 @@ def load_state(
         return result
     plan, error = None, None
     full: list = []
+    started = time.perf_counter()
+    files: dict[str, int] = {}
     try:
-        layout = checkpoint_layout(folder)
-        rank = None if model_only else _rng_rank(folder, layout, int(accelerator.process_index))
-        optimizers = list(accelerator._optimizers)
-        if fsdp == "FULL_STATE_DICT":
-            full = _plan_full(folder, targets, optimizers, model_only=model_only, strict=strict, layout=layout)
-            targets, optimizers = [], []
-        plan = plan_load(folder, targets, optimizers, list(accelerator._schedulers),
-                         model_only=model_only, strict=strict, map_location=map_location, trust_pickle=trust_pickle,
-                         rank=rank, fqn_models=everything)
-        if not model_only:
-            from fastckpt.accelerate.tracked_objects import plan_tracked_objects
+        with pinned(folder) as handle:  # every file is opened through one handle on the folder (one save)
+            layout = checkpoint_layout(handle)
+            rank = None if model_only else _rng_rank(handle, layout, int(accelerator.process_index))
+            optimizers = list(accelerator._optimizers)
+            if fsdp == "FULL_STATE_DICT":
+                full = _plan_full(handle, targets, optimizers, model_only=model_only, strict=strict, layout=layout)
+                targets, optimizers = [], []
+            plan = plan_load(handle, targets, optimizers, list(accelerator._schedulers),
+                             model_only=model_only, strict=strict, map_location=map_location,
+                             trust_pickle=trust_pickle, rank=rank, fqn_models=everything, cast=cast)
+            if not model_only:
+                from fastckpt.accelerate.tracked_objects import plan_tracked_objects
 
-            plan_tracked_objects(plan, folder, accelerator, layout=layout, trust_pickle=trust_pickle)
+                plan_tracked_objects(plan, handle, accelerator, layout=layout, trust_pickle=trust_pickle)
+            files = opened_files(handle)
     except Exception as exc:  # every process learns of it before any object changes
         error = exc
     agree(error, what=f"loading {folder}", timeout=timeout)
@@ -354,10 +382,11 @@ def load_state(
             else:
                 set_optimizer_state_dict(model, rest[0], rest[1], options=StateDictOptions(full_state_dict=True))
     plan.apply(threads=threads)
+    log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     if plan.rng is not None:
         accelerator.step = plan.rng.step
     _set_iteration(accelerator, folder)
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
 
 
 def _set_iteration(accelerator: Any, folder: Path) -> None:
@@ -402,7 +431,7 @@ def _save_sharded(accelerator: Any, output_dir: Any, *, model_only: bool, durabl
     """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit."""
     from fastckpt.accelerate.tracked_objects import add_tracked_objects
 
-    target, number = on_main(lambda: _choose_target(accelerator, output_dir), what="choosing the checkpoint folder",
+    target, number = on_main(lambda: _choose_target(accelerator, output_dir, model_only), what="choosing the checkpoint folder",
                              timeout=timeout)
     models = [accelerator.unwrap_model(m) for m in accelerator._models]
     for hook in accelerator._save_model_state_pre_hook.values():

@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fastckpt import _core
 from fastckpt._io.files import FilePart, SavePlan
+from fastckpt._io.folder import open_safetensors
 from fastckpt._io.layout import part_name
 from fastckpt._plan.accelerate_format import (
     SCALER_NAME,
@@ -129,7 +129,7 @@ def _read_state(folder: Path, name: str, what: str) -> Any:
     path = folder / name
     if not path.is_file():
         raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold")
-    return read_object_state(_core.SafetensorsFile(str(path)))
+    return read_object_state(open_safetensors(path))
 
 
 def _check_dl_state(state: Any, path: Path) -> None:

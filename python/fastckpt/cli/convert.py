@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.cli.progress import Progress
 from fastckpt.errors import CheckpointError, IntegrityError
 
 __all__ = ["HELP", "add_arguments", "run", "load_factory"]
@@ -83,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         shard = "10GB"
     try:
         models, optimizers = load_factory(args.model) if args.model else (None, None)
-        snap = convert(Path(args.src), Path(args.dst), to=args.to, models=models, optimizers=optimizers,
-                       max_shard_size=shard, trust_pickle=args.trust_pickle)
+        with Progress(f"verify {Path(args.src).name}") as progress:
+            snap = convert(Path(args.src), Path(args.dst), to=args.to, models=models, optimizers=optimizers,
+                           max_shard_size=shard, trust_pickle=args.trust_pickle, progress=progress)
     except IntegrityError as exc:
         print(f"IntegrityError: {exc}", file=sys.stderr)
         return 1

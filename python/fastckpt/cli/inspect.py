@@ -20,6 +20,7 @@ from typing import Any
 
 from fastckpt import _core
 from fastckpt._io.layout import MANIFEST, checkpoint_layout, read_manifest
+from fastckpt.cli.progress import Progress
 from fastckpt.errors import CheckpointError
 
 __all__ = ["HELP", "EPILOG", "add_arguments", "run", "describe"]
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--limit", type=int, default=0, metavar="N",
                         help="show at most N tensors per file (default 0: all)")
+
+
+#: Folders with this many safetensors files show a progress bar on a terminal.
+BIG_FOLDER_FILES = 16
 
 
 def _human(n: int) -> str:
@@ -55,8 +60,10 @@ def _describe_file(path: Path) -> dict[str, Any]:
     return {"file": path.name, "bytes": f.file_size, "metadata": f.metadata(), "tensors": tensors}
 
 
-def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+def describe(path: str | os.PathLike[str], progress: Any = None) -> dict[str, Any]:
     """What ``path`` (a checkpoint folder or a safetensors file) holds, as a JSON-ready dict.
+
+    ``progress``: ``progress(files_done, files_total)`` after each safetensors file's header (a progress bar).
 
     Raises:
         MissingStateError: a folder that is not a checkpoint (or an unfinished save).
@@ -76,8 +83,12 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     else:
         out["files"] = [{"file": p.name, "bytes": p.stat().st_size, "crc32c": None}
                         for p in sorted(path.iterdir()) if p.is_file()]
-    out["tensor_files"] = [_describe_file(path / f["file"]) for f in out["files"]
-                           if f["file"].endswith(".safetensors") and (path / f["file"]).is_file()]
+    names = [f["file"] for f in out["files"] if f["file"].endswith(".safetensors") and (path / f["file"]).is_file()]
+    out["tensor_files"] = []
+    for i, name in enumerate(names):
+        out["tensor_files"].append(_describe_file(path / name))
+        if progress is not None:
+            progress(i + 1, len(names))
     if (path / MANIFEST).is_file():
         out["parts"] = _parts(manifest)
     return out
@@ -141,7 +152,8 @@ def _print_tensors(desc: dict[str, Any], limit: int) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print ``describe(args.path)``; returns 0, 1 for a malformed checkpoint, 2 when it is not one."""
     try:
-        desc = describe(args.path)
+        with Progress("inspect", unit="files", min_total=BIG_FOLDER_FILES) as progress:
+            desc = describe(args.path, progress)
     except CheckpointError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, FileNotFoundError) else 1

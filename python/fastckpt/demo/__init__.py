@@ -33,6 +33,7 @@ import os
 import pathlib
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -67,9 +68,12 @@ class DemoRow:
         name: the row label (``fastckpt full``, ``fastckpt model_only``, ``accelerate``).
         path: the checkpoint folder.
         bytes_written: total size of the files in ``path``, in bytes.
-        save_s: seconds to save, including fsync (durable).
-        load_s: seconds to load into fresh objects, from a cold page cache.
-        problems: every mismatch found by the verification; empty when verified.
+        save_s: seconds to save, including fsync (durable): the median over the rounds.
+        load_s: seconds to load into fresh objects, from a cold page cache: the median over the rounds.
+        problems: every mismatch found by the verification (of any round); empty when verified.
+        save_rounds, load_rounds: the seconds of each round.
+        save_speedup: the median over the rounds of accelerate's save seconds / this row's, in the same round
+            (NaN without an accelerate row).
     """
 
     name: str
@@ -78,6 +82,9 @@ class DemoRow:
     save_s: float
     load_s: float
     problems: list[str]
+    save_rounds: list[float] = dataclasses.field(default_factory=list)
+    load_rounds: list[float] = dataclasses.field(default_factory=list)
+    save_speedup: float = math.nan
 
     @property
     def verified(self) -> bool:
@@ -243,6 +250,7 @@ def run_demo(
     seed: int = 1234,
     cold_cache: bool = True,
     stream: TextIO | None = None,
+    rounds: int = 3,
 ) -> DemoResult:
     """Train GPT-2 ``size`` for ``steps`` steps, checkpoint it with fastckpt (full, model_only) and accelerate,
     reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table.
@@ -257,6 +265,8 @@ def run_demo(
         seed: seed of the model, the data order and the RNGs; the fresh objects use ``seed + 1``.
         cold_cache: drop the checkpoint's pages from the page cache before each load (Linux).
         stream: where the progress and the table go (default ``sys.stdout``).
+        rounds: how many times each checkpoint is saved and loaded; the contenders alternate (round r starts
+            with the r-th, so none always runs first on a warm or cold machine) and the table shows medians.
 
     Returns:
         A :class:`DemoResult`; ``result.ok`` is False when any checkpoint failed verification.
@@ -292,24 +302,34 @@ def run_demo(
 
     root = pathlib.Path(out_dir) if out_dir is not None else pathlib.Path(tempfile.mkdtemp(prefix="fastckpt-demo-"))
     trained = (model, optimizer, scheduler)
-    rows = []
+    names = list(methods)
+    timings: dict[str, tuple[list[float], list[float], list[str]]] = {n: ([], [], []) for n in names}
     try:
-        for name, (save, load) in methods.items():
-            path = root / _folder(name)
-            save_s = load_s = math.nan
-            try:
-                save_s = save(trained, path)
-                draws = draw_random()
-                fresh = build_training(size, seed + 1)
-                if cold_cache:
-                    drop_page_cache(path)
-                load_s = load(fresh, path)
-                problems = verify(trained, fresh, full=name != "fastckpt model_only", draws_after_save=draws)
-                del fresh
-            except Exception as exc:  # noqa: BLE001 -- a failing row is reported in the table, the others still run
-                stage = "save" if math.isnan(save_s) else "load"
-                problems = [f"{stage} raised {type(exc).__name__}: {exc}"]
-            rows.append(DemoRow(name, path, dir_bytes(path) if path.exists() else 0, save_s, load_s, problems))
+        for r in range(max(1, rounds)):
+            for name in names[r % len(names):] + names[: r % len(names)]:  # alternate who goes first
+                saves, loads, problems = timings[name]
+                if problems:
+                    continue  # a failed row is reported once
+                save, load = methods[name]
+                path = root / _folder(name)
+                shutil.rmtree(path, ignore_errors=True)  # every round saves into a fresh folder
+                save_s = load_s = math.nan
+                try:
+                    save_s = save(trained, path)
+                    draws = draw_random()
+                    fresh = build_training(size, seed + 1)
+                    if cold_cache:
+                        drop_page_cache(path)
+                    load_s = load(fresh, path)
+                    problems += verify(trained, fresh, full=name != "fastckpt model_only", draws_after_save=draws)
+                    del fresh
+                except Exception as exc:  # noqa: BLE001 -- a failing row is reported in the table, the others run
+                    stage = "save" if math.isnan(save_s) else "load"
+                    problems.append(f"{stage} raised {type(exc).__name__}: {exc}")
+                saves.append(save_s)
+                loads.append(load_s)
+        rows = [_row(name, root / _folder(name), *timings[name], baseline=timings.get("accelerate", ([],))[0])
+                for name in names]
     finally:
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -318,7 +338,11 @@ def run_demo(
     print(format_table(rows), file=out)
     cache = "a cold page cache (posix_fadvise DONTNEED)" if cold_cache else "the page cache"
     print("save: durable on both sides (fastckpt durable=True; accelerate save_state + fsync of each file)", file=out)
-    print(f"save speedup: accelerate's save s / the row's save s; load: from {cache}", file=out)
+    n_rounds = max(1, rounds)
+    print(f"medians of {n_rounds} round{'s' if n_rounds != 1 else ''}: each round saves and loads every checkpoint, "
+          "the contenders alternating (round r starts with the r-th)", file=out)
+    print(f"save speedup: median of per-round ratios, accelerate's save s / the row's save s; load: from {cache}",
+          file=out)
     print("verified: reloaded into objects built from scratch and compared bit for bit (every weight and the tie;"
           " full rows also optimizer state + param_groups, scheduler state, next python/numpy/torch RNG draws)",
           file=out)
@@ -330,6 +354,19 @@ def run_demo(
     return result
 
 
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def _row(name: str, path: pathlib.Path, saves: list[float], loads: list[float], problems: list[str], *,
+         baseline: list[float]) -> DemoRow:
+    """A table row from its rounds; the speedup is the median of per-round ratios against ``baseline``."""
+    ratios = [b / s for b, s in zip(baseline, saves) if s and not math.isnan(b) and not math.isnan(s)]
+    return DemoRow(name, path, dir_bytes(path) if path.exists() else 0, _median(saves), _median(loads), problems,
+                   saves, loads, statistics.median(ratios) if ratios else math.nan)
+
+
 def _number(value: float, spec: str) -> str:
     return "-" if math.isnan(value) else spec.format(value)
 
@@ -337,6 +374,11 @@ def _number(value: float, spec: str) -> str:
 def format_table(rows: list[DemoRow]) -> str:
     """The demo's table as aligned plain text: size (MB = 1e6 bytes), seconds, GB/s (1e9 bytes/s), speedup."""
     baseline = next((row.save_s for row in rows if row.name == "accelerate" and not math.isnan(row.save_s)), None)
+
+    def speedup(row: DemoRow) -> float:
+        if not math.isnan(row.save_speedup):
+            return row.save_speedup
+        return baseline / row.save_s if baseline and row.save_s else math.nan
     header = ["checkpoint", "MB written", "save s", "load s", "save GB/s", "load GB/s", "save speedup", "verified"]
     lines = [header]
     for row in rows:
@@ -348,7 +390,7 @@ def format_table(rows: list[DemoRow]) -> str:
                 _number(row.load_s, "{:.3f}"),
                 _number(row.bytes_written / 1e9 / row.save_s if row.save_s else math.nan, "{:.2f}"),
                 _number(row.bytes_written / 1e9 / row.load_s if row.load_s else math.nan, "{:.2f}"),
-                _number(baseline / row.save_s if baseline and row.save_s else math.nan, "{:.2f}x"),
+                _number(speedup(row), "{:.2f}x"),
                 "yes" if row.verified else "no",
             ]
         )
@@ -376,6 +418,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the checkpoints to DIR and keep them (default: a temporary folder, removed)",
     )
     parser.add_argument("--threads", type=_count, default=0, help="fastckpt I/O threads (default 0: automatic)")
+    parser.add_argument("--rounds", type=_count, default=3,
+                        help="save/load rounds per checkpoint, contenders alternating; the table shows medians "
+                             "(default 3)")
     parser.add_argument(
         "--warm-cache",
         action="store_true",
@@ -393,7 +438,8 @@ def _count(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed flags; exit status 0 when every checkpoint verified, 1 otherwise."""
     try:
-        result = run_demo(args.size, args.steps, args.keep, threads=args.threads, cold_cache=not args.warm_cache)
+        result = run_demo(args.size, args.steps, args.keep, threads=args.threads, cold_cache=not args.warm_cache,
+                          rounds=args.rounds)
     except FileExistsError as exc:
         print(f"fastckpt demo: error: {exc}", file=sys.stderr)
         return 2

@@ -44,15 +44,21 @@ unsafe impl Sync for MapPtr {}
 impl SafetensorsFile {
     /// Open `path`, validate its header fully (see CORE_API.md) and map it.
     pub fn open(path: &Path) -> Result<Self> {
-        Self::open_with(path, true)
+        Self::open_with(path, path, true)
     }
 
-    /// Open `path` and validate its header fully; map it only when `mapped` (unmapped, tensor bytes are served
-    /// by positional reads alone: memory stays bounded by what the caller reads, and [`mapping`](Self::mapping)
-    /// is empty).
-    pub fn open_with(path: &Path, mapped: bool) -> Result<Self> {
+    /// Open the file at `source` but name it `path` (in errors and [`SafetensorsFile::path`]): `source` can be a
+    /// handle-relative path such as `/proc/self/fd/N/model.safetensors` that pins the folder a reader opened.
+    pub fn open_as(source: &Path, path: &Path) -> Result<Self> {
+        Self::open_with(source, path, true)
+    }
+
+    /// Open the file at `source` (named `path`, as [`open_as`](Self::open_as)) and validate its header fully;
+    /// map it only when `mapped` (unmapped, tensor bytes are served by positional reads alone: memory stays
+    /// bounded by what the caller reads, and [`mapping`](Self::mapping) is empty).
+    pub fn open_with(source: &Path, path: &Path, mapped: bool) -> Result<Self> {
         let label = path.display().to_string();
-        let file = open_file(path)?;
+        let file = open_file_as(source, path)?;
         let file_size = file.metadata().at(path, "reading the size of")?.len();
         let mut prefix = [0u8; 8];
         let got = (file_size as usize).min(8);
@@ -143,7 +149,7 @@ impl SafetensorsFile {
         }
     }
 
-    /// Whether the file is mapped (false for [`open_with`](Self::open_with)`(path, false)`).
+    /// Whether the file is mapped (false for [`open_with`](Self::open_with)`(source, path, false)`).
     pub fn is_mapped(&self) -> bool {
         self.map.is_some()
     }
@@ -264,7 +270,12 @@ impl SafetensorsFile {
 /// Open `path` for reading: never blocks (FIFOs), and anything but a regular file is refused, a folder as
 /// `EISDIR` ([`Error::Io`]), a FIFO, socket or device as [`Error::Header`].
 pub(crate) fn open_file(path: &Path) -> Result<File> {
-    sys::open_regular(path).map_err(|e| match e.kind() {
+    open_file_as(path, path)
+}
+
+/// [`open_file`] of `source`, with errors naming `path`.
+fn open_file_as(source: &Path, path: &Path) -> Result<File> {
+    sys::open_regular(source).map_err(|e| match e.kind() {
         std::io::ErrorKind::InvalidInput => Error::Header(format!(
             "{}: cannot be read as a safetensors file: {e}",
             path.display()

@@ -75,7 +75,7 @@ fn open_maps_and_reads_into() {
 fn unmapped_open_validates_and_reads_by_position() {
     let dir = tempfile::tempdir().unwrap();
     let (path, a, b) = written(dir.path());
-    let f = SafetensorsFile::open_with(&path, false).unwrap();
+    let f = SafetensorsFile::open_with(&path, &path, false).unwrap();
     assert!(!f.is_mapped());
     assert_eq!(f.mapping().1, 0);
     assert_eq!(f.tensors().len(), 2);
@@ -143,6 +143,29 @@ fn open_errors() {
     let e = SafetensorsFile::open(&p).unwrap_err();
     assert_eq!(e.kind(), "Truncated");
     assert!(e.to_string().contains("short"), "{e}");
+}
+
+#[test]
+fn open_as_reads_one_path_and_names_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _, _) = written(dir.path());
+    let shown = Path::new("/checkpoints/step_7/model.safetensors");
+    let f = SafetensorsFile::open_as(&path, shown).unwrap();
+    assert_eq!(f.path(), shown);
+    assert_eq!(
+        f.tensors().len(),
+        SafetensorsFile::open(&path).unwrap().tensors().len()
+    );
+    let short = dir.path().join("short");
+    std::fs::write(&short, [1, 2, 3]).unwrap();
+    let e = SafetensorsFile::open_as(&short, shown).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("/checkpoints/step_7/model.safetensors"),
+        "{e}"
+    );
+    let e = SafetensorsFile::open_as(&dir.path().join("none"), shown).unwrap_err();
+    assert!(e.to_string().contains("step_7"), "{e}");
 }
 
 impl Error {

@@ -57,11 +57,18 @@ pub struct SafetensorsFile {
 impl SafetensorsFile {
     /// Open `path` and validate its header fully; raises HeaderError, TruncatedFileError, DtypeError, OSError.
     /// `mmap=False` maps nothing: tensors are read with `read_into` / `read_ranges` only.
+    /// `open_path`: open that path instead (a folder-handle-relative path), naming the file `path`.
     #[new]
-    #[pyo3(signature = (path, *, mmap = true))]
-    fn new(py: Python<'_>, path: PathBuf, mmap: bool) -> PyResult<Self> {
+    #[pyo3(signature = (path, *, mmap = true, open_path = None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        mmap: bool,
+        open_path: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let source = open_path.unwrap_or_else(|| path.clone());
         let inner = py
-            .detach(|| fastckpt_core::SafetensorsFile::open_with(&path, mmap))
+            .detach(|| fastckpt_core::SafetensorsFile::open_with(&source, &path, mmap))
             .map_err(to_py)?;
         Ok(SafetensorsFile { inner })
     }
