@@ -5,6 +5,7 @@
 //! - [`source`]: tensor sources (contiguous or strided) with bounds checks, gathered in logical order.
 //! - [`layout`]: a file planned before writing (order, offsets, chunks), and in-memory [`serialize`].
 //! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
+//! - [`progress`]: per-tensor progress of a write from live memory; the caller takes unwritten tensors over.
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
 //! - [`commit`]: put a staging folder in place atomically.
 //! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
@@ -18,6 +19,7 @@ pub mod error;
 pub mod header;
 pub mod layout;
 pub mod pool;
+pub mod progress;
 pub mod reader;
 pub mod source;
 mod sys;
@@ -32,6 +34,7 @@ pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use header::{parse_file, Header, TensorInfo};
 pub use layout::{serialize, FileLayout};
+pub use progress::Progress;
 pub use reader::SafetensorsFile;
 pub use source::TensorSource;
 pub use writer::{write_file, write_files, FileJob, ReadyGate, WriteOptions, WriteStats};

@@ -9,14 +9,15 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
 #[cfg(test)]
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
+use std::sync::{Arc, OnceLock};
 
 use crate::checksum::{self, FileChecksums, PieceCrc};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::FileLayout;
 use crate::pool;
+use crate::progress::{PieceSource, Progress};
 use crate::source::TensorSource;
 use crate::sys;
 
@@ -32,6 +33,9 @@ pub struct WriteOptions {
     /// Sources that are still being filled (a pinned buffer receiving device-to-host copies): each chunk first
     /// waits here for the memory it reads. `None`: every source is ready.
     pub ready: Option<ReadyGate>,
+    /// Per-tensor progress shared with the caller, who may take unwritten tensors over (see
+    /// [`crate::progress`]); tensors numbered in input order across the jobs. `None`: sources are never claimed.
+    pub progress: Option<Arc<Progress>>,
     /// Tests: every worker waits here after taking its first chunk (size it to the worker count).
     #[cfg(test)]
     pub(crate) start_barrier: Option<Arc<Barrier>>,
@@ -44,6 +48,7 @@ impl Default for WriteOptions {
             threads: 0,
             chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
             ready: None,
+            progress: None,
             #[cfg(test)]
             start_barrier: None,
         }
@@ -134,6 +139,7 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             )
         })
         .collect::<Result<Vec<_>>>()?;
+    let ids = progress_ids(jobs, &layouts, opts.progress.as_deref())?;
     let mut temps = Vec::with_capacity(jobs.len());
     for (job, layout) in jobs.iter().zip(&layouts) {
         let temp = TempFile::create(&job.path)?;
@@ -175,10 +181,31 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 .collect();
             (gate.0)(&spans)?;
         }
-        let gathered: usize = pieces
-            .iter()
-            .filter(|p| layout.tensors[p.tensor].contiguous_bytes().is_none())
-            .map(|p| p.len)
+        let (guard, from) = match &opts.progress {
+            Some(progress) => {
+                let taken: Vec<(usize, u64)> = pieces
+                    .iter()
+                    .map(|p| (ids[f][p.tensor], p.len as u64))
+                    .collect();
+                let (guard, from) = progress.begin(&taken)?;
+                (Some(guard), from)
+            }
+            None => (None, pieces.iter().map(|_| PieceSource::Live).collect()),
+        };
+        // A piece is read in place (live contiguous memory or the caller's copy) or gathered into `buf`.
+        let direct = |i: usize| -> Option<&[u8]> {
+            let p = &pieces[i];
+            let start = p.start as usize;
+            match &from[i] {
+                PieceSource::Copy(c) => Some(&(**c).as_ref()[start..start + p.len]),
+                PieceSource::Live => layout.tensors[p.tensor]
+                    .contiguous_bytes()
+                    .map(|b| &b[start..start + p.len]),
+            }
+        };
+        let gathered: usize = (0..pieces.len())
+            .filter(|&i| direct(i).is_none())
+            .map(|i| pieces[i].len)
             .sum();
         if gathered > 0 && buf.is_empty() {
             *buf = vec![0u8; buffer_len];
@@ -186,21 +213,19 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             buffer_bytes.fetch_add(buffer_len as u64, Ordering::Relaxed);
         }
         let mut at = 0;
-        for p in pieces.iter() {
-            let t = &layout.tensors[p.tensor];
-            if t.contiguous_bytes().is_none() {
-                t.gather(p.start, &mut buf[at..at + p.len]);
+        for (i, p) in pieces.iter().enumerate() {
+            if direct(i).is_none() {
+                layout.tensors[p.tensor].gather(p.start, &mut buf[at..at + p.len]);
                 at += p.len;
             }
         }
         let mut at = 0;
-        let parts: Vec<&[u8]> = pieces
-            .iter()
-            .map(|p| match layout.tensors[p.tensor].contiguous_bytes() {
-                Some(bytes) => &bytes[p.start as usize..p.start as usize + p.len],
+        let parts: Vec<&[u8]> = (0..pieces.len())
+            .map(|i| match direct(i) {
+                Some(bytes) => bytes,
                 None => {
-                    at += p.len;
-                    &buf[at - p.len..at]
+                    at += pieces[i].len;
+                    &buf[at - pieces[i].len..at]
                 }
             })
             .collect();
@@ -217,6 +242,9 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                 range_len(&parts)
             ),
         )?;
+        if let Some(guard) = guard {
+            guard.finish();
+        }
         if opts.durable {
             sys::start_writeback(&temp.file, file_offset, range_len(&parts) as u64);
         }
@@ -264,6 +292,46 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
         chunk_buffer_bytes: buffer_bytes.into_inner(),
         checksums,
     })
+}
+
+/// `ids[f][i]`: the progress number of `layouts[f].tensors[i]` (tensors numbered in input order across jobs),
+/// sizes checked against `progress`; empty without progress.
+fn progress_ids(
+    jobs: &[FileJob<'_>],
+    layouts: &[FileLayout<'_>],
+    progress: Option<&Progress>,
+) -> Result<Vec<Vec<usize>>> {
+    let Some(progress) = progress else {
+        return Ok(Vec::new());
+    };
+    let total: usize = jobs.iter().map(|j| j.tensors.len()).sum();
+    if progress.len() != total {
+        return Err(Error::InvalidArgument(format!(
+            "the progress tracks {} tensors, the write has {total}",
+            progress.len()
+        )));
+    }
+    let mut first = 0;
+    let mut ids = Vec::with_capacity(jobs.len());
+    for (job, layout) in jobs.iter().zip(layouts) {
+        let position: std::collections::HashMap<&str, usize> = job
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), first + i))
+            .collect();
+        let mine = layout
+            .tensors
+            .iter()
+            .map(|t| {
+                let id = position[t.name.as_str()];
+                progress.check_size(id, t.nbytes, &t.name).map(|()| id)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ids.push(mine);
+        first += job.tensors.len();
+    }
+    Ok(ids)
 }
 
 fn range_len(parts: &[&[u8]]) -> usize {

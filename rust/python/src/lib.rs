@@ -1,11 +1,12 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
-//! parse_header), commit, integrity (checksum_files, crc32c).
+//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod commit;
 mod errors;
 mod integrity;
+mod progress;
 mod read;
 mod write;
 
@@ -18,6 +19,8 @@ mod _core {
     use super::commit::commit_dir;
     #[pymodule_export]
     use super::integrity::{checksum_files, crc32c};
+    #[pymodule_export]
+    use super::progress::WriteProgress;
     #[pymodule_export]
     use super::read::{parse_header, SafetensorsFile};
     #[pymodule_export]
