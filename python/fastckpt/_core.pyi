@@ -100,6 +100,7 @@ def write_files_checked(
     ``chunk_bytes``. Raises as :func:`write_file`.
     """
 
+@final
 class WriteProgress:
     """Per-tensor progress of one write from live tensor memory, shared with Python (``fastckpt._io.async_stream``).
 
@@ -111,7 +112,7 @@ class WriteProgress:
     Every wait releases the GIL.
     """
 
-    def __init__(self, sizes: Sequence[int]) -> None: ...
+    def __new__(cls, sizes: Sequence[int]) -> WriteProgress: ...
     def __len__(self) -> int: ...
     def is_written(self, id: int) -> bool:
         """Whether every byte of tensor ``id`` is in its file. Raises ValueError for an unknown id."""
