@@ -6,7 +6,7 @@ a ``model_only`` switch on both sides; ``fastckpt.torch`` is a drop-in ``safeten
 
 from __future__ import annotations
 
-from fastckpt._io.async_writer import AsyncSave
+from fastckpt._io.async_writer import AsyncSave, release_buffers
 from fastckpt._io.integrity import VerifyReport, check_checkpoint, verify_checkpoint
 from fastckpt._io.layout import latest_checkpoint
 from fastckpt._state.rng import RngRestoreWarning
@@ -14,6 +14,7 @@ from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, load_state, save_state
 from fastckpt.errors import (
     CheckpointError,
+    ConcurrentModificationError,
     DtypeError,
     HeaderError,
     IntegrityError,
@@ -53,5 +54,7 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "ConcurrentModificationError",
+    "release_buffers",
     "__version__",
 ]

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from fastckpt._io.async_writer import AsyncSave, finish_pending, submit
+from fastckpt._io.async_stream import submit_stream
+from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
@@ -108,7 +109,8 @@ def save_state(
     threads: int = 0,
     max_shard_size: int | str | None = None,
     compat: str | None = None,
-    async_save: bool = False,
+    async_save: bool | str = False,
+    host_memory_budget: int | str | None = None,
 ) -> Path | AsyncSave:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
@@ -137,10 +139,19 @@ def save_state(
             ``Accelerator.save_state`` writes (``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl`` are
             pickles; ``model.safetensors`` unsharded) plus the manifest, so stock ``Accelerator.load_state``
             restores it.
-        async_save: return as soon as the state is copied into a reused host buffer pool (for CUDA tensors: as
-            soon as the copies are enqueued on a side stream) and write the checkpoint on a background thread;
-            the checkpoint holds the values as of the call even if training keeps updating them. At most one
-            async save is in flight: a second one waits for the first to be written. See :mod:`fastckpt._io.async_writer`.
+        async_save: ``True``: return once the module buffers, small tensors and parameters no passed optimizer
+            owns are copied; parameters and optimizer state are written in the background straight from the live
+            tensors (CUDA: copied on a side stream), and each passed optimizer's next ``step()`` first waits for
+            (CPU: copies) only its tensors not yet written. The checkpoint holds the values as of the call; a
+            tensor changed in place outside ``step()`` before it was written fails the save with
+            ``ConcurrentModificationError`` (see :mod:`fastckpt._io.async_stream`). ``"snapshot"``: copy the
+            whole state into a reused host buffer pool at the call, then write in the background (see
+            :mod:`fastckpt._io.async_writer`). At most one async save is in flight: a second one waits for the
+            first to be written.
+        host_memory_budget: with ``async_save=True``, host bytes (pinned with CUDA) the save may hold for
+            copies (an int, or ``"4GB"``, ``"512MiB"``); None: as needed, at most the state's size. Below what a
+            step must copy, the step copies what fits and waits for the writer to write the rest. The buffers are
+            reused across saves and freed by :func:`fastckpt.release_buffers` or after 60 s without a save.
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
@@ -162,7 +173,9 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
-    finish_pending(wait=not async_save)
+    if async_save not in (False, True, "snapshot"):
+        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)
     models = _as_list(model, "model")
     if output_dir is not None:
@@ -172,9 +185,12 @@ def save_state(
     auto = output_dir is None
     root = Path(project_dir if project_dir is not None else os.getcwd())
     target = next_checkpoint_dir(root) if auto else Path(output_dir)
+    write = functools.partial(write_checkpoint, durable=durable, threads=threads)
+    rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
+    if async_save is True:  # stream from the live tensors; the optimizers' steps wait for what is not yet safe
+        return submit_stream(plan, [] if model_only else _as_list(optimizer, "optimizer"), target.absolute(),
+                             write=write, budget=host_memory_budget, auto_named=auto, after=rotate)
     if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
-        write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-        rotate = functools.partial(rotate_checkpoints, root, total_limit) if auto and total_limit is not None else None
         handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
         return handle if async_save else handle.wait()
     write_checkpoint(plan, target, durable=durable, threads=threads)
@@ -240,6 +256,8 @@ def load_state(
     _check_map_location(map_location)
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
+    wait_for_saves_to(Path(input_dir) if input_dir is not None
+                      else Path(project_dir if project_dir is not None else os.getcwd()) / "checkpoints")
     folder = resolve_input_dir(input_dir, project_dir)
     if verify:
         verify_checkpoint(folder, threads=threads)

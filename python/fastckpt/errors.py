@@ -24,6 +24,7 @@ __all__ = [
     "ShapeMismatchError",
     "DtypeError",
     "UnsafePickleError",
+    "ConcurrentModificationError",
 ]
 
 
@@ -66,4 +67,15 @@ class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
     """A pickled file (accelerate's ``.bin`` / ``.pkl``) needs full unpickling, which can run arbitrary code.
 
     Raised unless the load passes ``trust_pickle=True``; the message names the file and the global it needs.
+    """
+
+
+class ConcurrentModificationError(CheckpointError, RuntimeError):
+    """A tensor of an async save was changed in place before it was written or copied.
+
+    ``save_state(..., async_save=True)`` writes parameters and optimizer state after the call returns, up to
+    their optimizer's next ``step()``; an in-place change outside that step (an EMA update, manual clipping,
+    ``load_state_dict``) would tear the checkpoint, so the save fails instead: nothing is committed and the
+    previous checkpoint stays. The message names the tensor; call ``wait()`` on the handle before such changes,
+    or pass ``async_save="snapshot"`` to copy the whole state at the call.
     """

@@ -140,12 +140,15 @@ def check_target(output_dir: str | os.PathLike[str]) -> Path:
 
 
 def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, threads: int = 0,
-                     ready: Any = None) -> Path:
+                     ready: Any = None, progress: Any = None, before_commit: Any = None) -> Path:
     """Write ``plan`` to the folder ``target`` crash-safely (see the module docs); returns ``target``.
 
     ``ready`` (optional): ``ready([(address, length), ...])``, called by the writer before each chunk with the
     source memory it reads, returns once those bytes are final (CUDA staging: :meth:`fastckpt._io.snapshot.Snapshot.
     ready`), so chunk k is written while chunk k+1 is still being copied from the device.
+    ``progress`` (optional): a ``fastckpt._core.WriteProgress`` over the plan's tensors, in part order (streaming
+    async saves, :mod:`fastckpt._io.async_stream`). ``before_commit`` (optional): called once every file is
+    written, before the manifest; if it raises, nothing is committed.
 
     Raises:
         OSError: the folder cannot be written (disk full, permissions); nothing is left behind and a previous
@@ -160,13 +163,15 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
     try:
         staging.mkdir()
         jobs = [(str(staging / p.name), tensor_sources(p.tensors), p.metadata) for p in plan.parts]
-        digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=ready)
+        digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=ready, progress=progress)
         files = {p.name: digest[0] for p, digest in zip(plan.parts, digests)}
         checksums = {p.name: digest_entry(digest) for p, digest in zip(plan.parts, digests)}
         for name, text in plan.texts.items():
             data = text if isinstance(text, bytes) else text.encode("utf-8")
             files[name] = write_text(staging / name, data, durable)
             checksums[name] = text_entry(data)
+        if before_commit is not None:
+            before_commit()
         manifest = manifest_dict(plan.mode, files, plan.counts, plan.step, checksums=checksums)
         write_text(staging / MANIFEST, json.dumps(manifest, indent=2), durable)
         if file_mode is not None:
