@@ -310,16 +310,13 @@ class StreamingSave:
     def _start_cuda_copies(self) -> None:
         """Enqueue the device-to-host copies of the deferred tensors on each device's side stream, grouped by
         optimizer with an event after each group (what that optimizer's step waits for)."""
-        from fastckpt._io.device_load import side_stream
-        from fastckpt._io.snapshot import CUDA_CHUNK_BYTES, Snapshot, _Copy
-
         everything = self._device_copies + self.deferred
         total = sum(aligned(d.nbytes) for d in everything)
-        if self.budget < total - sum(aligned(d.nbytes) for d in self._device_copies):
+        if self.budget < self.streamed_bytes:
             raise ValueError(
-                f"host_memory_budget of {self.budget:,} bytes is below the {total:,} bytes of CUDA tensors to "
-                "copy; streaming CUDA saves through a smaller ring is not supported: raise the budget or pass "
-                "async_save='snapshot'"
+                f"host_memory_budget of {self.budget:,} bytes is below the {self.streamed_bytes:,} bytes of "
+                "parameters and optimizer state to copy; streaming CUDA saves through a smaller ring is not "
+                "supported: raise the budget or pass async_save='snapshot'"
             )
         slot = self._pool.acquire(total)
         try:
@@ -335,6 +332,7 @@ class StreamingSave:
         assert slot.buffer is not None
         copies, at = [], 0
         views: dict[int, torch.Tensor] = {}
+
         def group(d: _Deferred) -> int:  # call-time copies first, then optimizer 0's tensors, ...
             return min(d.owners) if d.owners else -1
 
