@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.distributed import agree, gather_to_main, on_main
 from fastckpt._io.layout import checkpoint_layout, checkpoint_numbers, random_states_name, rotate_checkpoints
 from fastckpt._plan.load import plan_load
@@ -82,7 +83,9 @@ def save_state(
     max_shard_size: int | str | None = _DEFAULT,
     durable: bool = True,
     threads: int = 0,
-) -> Path:
+    async_save: bool | str = False,
+    host_memory_budget: int | str | None = None,
+) -> Path | AsyncSave:
     """Save everything ``accelerator`` tracks (or only the model weights) to a checkpoint folder, crash-safely.
 
     Args:
@@ -99,9 +102,14 @@ def save_state(
             default ``"10GB"`` (accelerate's), None for one file each. Not with ``compat="accelerate"``.
         durable: fsync files and folders before returning (default True).
         threads: writer threads; 0 picks min(8, cores).
+        async_save: as :func:`fastckpt.save_state`: ``True`` streams parameters and optimizer state in the
+            background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written),
+            ``"snapshot"`` copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
+            completes after the one atomic commit on the main process (and raises on every process if it failed).
+        host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True``).
 
     Returns:
-        The committed checkpoint folder (the same on every process).
+        The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``.
 
     Raises:
         ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``.
@@ -115,6 +123,8 @@ def save_state(
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
     _check_supported(accelerator)
+    if async_save not in (False, True, "snapshot"):
+        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
     if compat not in (None, "accelerate"):
         raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
     if max_shard_size is _DEFAULT:
@@ -147,12 +157,12 @@ def save_state(
             rng = None if gathered is None else [({k: torch.from_numpy(a) for k, a in t.items()}, m)
                                                  for t, m in gathered]
 
-    def write() -> Path:
-        from fastckpt._io.commit import write_checkpoint
+    optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
+
+    def build() -> Any:
         from fastckpt._plan.accelerate_format import build_accelerate_plan
         from fastckpt.accelerate.tracked_objects import add_tracked_objects
 
-        optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
         if compat:
             plan = build_accelerate_plan(unwrapped, optimizers, schedulers, model_only=model_only, step=step,
                                          model_states=weights, rng_pickles=rng)
@@ -162,11 +172,28 @@ def save_state(
         if not model_only:
             plan.counts["processes"] = len(rng or [])
             add_tracked_objects(plan, accelerator, compat=bool(compat))
-        write_checkpoint(plan, target, durable=durable, threads=threads)
+        return plan
+
+    def rotate() -> None:
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
             rotate_checkpoints(_project_root(accelerator), limit)
+
+    def write() -> Path:
+        from fastckpt._io.commit import write_checkpoint
+
+        write_checkpoint(build(), target, durable=durable, threads=threads)
+        rotate()
         return target
+
+    if async_save:
+        from fastckpt.accelerate.async_save import save_async
+
+        handle = save_async(build, rotate, target, [] if model_only else optimizers, durable=durable,
+                            threads=threads, budget=host_memory_budget, mode=async_save)
+        config = accelerator.project_configuration
+        config.iteration = number + 1 if number is not None else config.iteration + 1
+        return handle
 
     path = on_main(write, what=f"saving {target}")  # the outcome broadcast is the barrier that ends the save
     config = accelerator.project_configuration
@@ -239,6 +266,7 @@ def load_state(
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
     _check_supported(accelerator)
+    wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None else _project_root(accelerator) / "checkpoints")
     folder = on_main(lambda: _resolve(accelerator, input_dir), what="finding the checkpoint")
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
