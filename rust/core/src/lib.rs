@@ -4,6 +4,7 @@
 //! - [`header`]: header bytes identical to safetensors 0.8, and full validation of read headers.
 //! - [`source`]: tensor sources (contiguous or strided) with bounds checks, gathered in logical order.
 //! - [`layout`]: a file planned before writing (order, offsets, chunks), and in-memory [`serialize`].
+//! - [`direct`]: durable writes through `O_DIRECT`, block-aligned chunks from aligned bounce buffers.
 //! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
 //! - [`progress`]: per-tensor progress of a write from live memory; the caller takes unwritten tensors over.
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
@@ -14,6 +15,7 @@
 
 pub mod checksum;
 pub mod commit;
+pub mod direct;
 pub mod dtype;
 pub mod error;
 pub mod header;

@@ -14,6 +14,7 @@ use std::sync::Barrier;
 use std::sync::{Arc, OnceLock};
 
 use crate::checksum::{self, FileChecksums, PieceCrc};
+use crate::direct::{self, WorkerBuffers};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::FileLayout;
 use crate::pool;
@@ -36,6 +37,9 @@ pub struct WriteOptions {
     /// Per-tensor progress shared with the caller, who may take unwritten tensors over (see
     /// [`crate::progress`]); tensors numbered in input order across the jobs. `None`: sources are never claimed.
     pub progress: Option<Arc<Progress>>,
+    /// With `durable`: write through `O_DIRECT` in block-aligned chunks (see [`crate::direct`]) where the file
+    /// system allows it, bypassing the page cache; `false` always writes through the page cache.
+    pub direct_io: bool,
     /// Tests: every worker waits here after taking its first chunk (size it to the worker count).
     #[cfg(test)]
     pub(crate) start_barrier: Option<Arc<Barrier>>,
@@ -49,6 +53,7 @@ impl Default for WriteOptions {
             chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
             ready: None,
             progress: None,
+            direct_io: true,
             #[cfg(test)]
             start_barrier: None,
         }
@@ -141,19 +146,31 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
         .collect::<Result<Vec<_>>>()?;
     let ids = progress_ids(jobs, &layouts, opts.progress.as_deref())?;
     let mut temps = Vec::with_capacity(jobs.len());
+    let mut directs = Vec::with_capacity(jobs.len());
     for (job, layout) in jobs.iter().zip(&layouts) {
         let temp = TempFile::create(&job.path)?;
         sys::preallocate(&temp.file, layout.file_size()).at(&temp.path, "preallocating")?;
-        temp.file
-            .write_all_at(&layout.header, 0)
-            .at(&temp.path, "writing the header")?;
+        let direct = (opts.durable && opts.direct_io)
+            .then(|| direct::open_direct(&temp.path))
+            .flatten();
+        if direct.is_none() {
+            temp.file
+                .write_all_at(&layout.header, 0)
+                .at(&temp.path, "writing the header")?;
+        }
         temps.push(temp);
+        directs.push(direct);
     }
+    let dchunk = direct::chunk_size(chunk);
     // Chunk k of the whole pass belongs to the file whose range of chunk numbers holds it.
     let mut first_chunk = Vec::with_capacity(jobs.len() + 1);
     first_chunk.push(0usize);
-    for l in &layouts {
-        first_chunk.push(first_chunk.last().copied().unwrap_or(0) + l.chunk_count(chunk));
+    for (l, d) in layouts.iter().zip(&directs) {
+        let n = match d {
+            Some(_) => direct::chunk_count(l, dchunk),
+            None => l.chunk_count(chunk),
+        };
+        first_chunk.push(first_chunk.last().copied().unwrap_or(0) + n);
     }
     let total_chunks = *first_chunk.last().unwrap_or(&0);
     let max_data = layouts.iter().map(|l| l.data_len).max().unwrap_or(0);
@@ -165,10 +182,13 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
     let barrier = opts.start_barrier.as_deref();
     #[cfg(not(test))]
     let barrier = None;
-    let report = pool::run::<Vec<u8>, _>(opts.threads, total_chunks, barrier, |buf, k| {
+    let report = pool::run::<WorkerBuffers, _>(opts.threads, total_chunks, barrier, |bufs, k| {
         let f = first_chunk.partition_point(|&c| c <= k) - 1;
         let (layout, temp) = (&layouts[f], &temps[f]);
-        let range = layout.chunk_range(k - first_chunk[f], chunk);
+        let (file_range, header_part, range) = match &directs[f] {
+            Some(_) => direct::chunk_parts(layout, k - first_chunk[f], dchunk),
+            None => (0..0, 0..0, layout.chunk_range(k - first_chunk[f], chunk)),
+        };
         let file_offset = layout.data_start() + range.start;
         let pieces: Vec<_> = layout.pieces(range).collect();
         if let Some(gate) = &opts.ready {
@@ -203,6 +223,44 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
                     .map(|b| &b[start..start + p.len]),
             }
         };
+        if let Some(dfile) = &directs[f] {
+            let len = (file_range.end - file_range.start) as usize;
+            let (bounce, fresh) = bufs.bounce(dchunk as usize);
+            if fresh {
+                buffers.fetch_add(1, Ordering::Relaxed);
+                buffer_bytes.fetch_add(dchunk, Ordering::Relaxed);
+            }
+            let mut at = header_part.len();
+            bounce[..at].copy_from_slice(&layout.header[header_part.clone()]);
+            let mut sums = Vec::with_capacity(pieces.len());
+            for (i, p) in pieces.iter().enumerate() {
+                let out = &mut bounce[at..at + p.len];
+                match direct(i) {
+                    Some(bytes) => out.copy_from_slice(bytes),
+                    None => layout.tensors[p.tensor].gather(p.start, out),
+                }
+                sums.push(PieceCrc {
+                    tensor: Some(p.tensor),
+                    crc: checksum::crc32c_append(0, out),
+                    len: p.len as u64,
+                });
+                at += p.len;
+            }
+            let padded = direct::padded(len);
+            bounce[len..padded].fill(0);
+            if let Some(guard) = guard {
+                guard.finish(); // the bytes are in the bounce buffer: the live memory is free again
+            }
+            crcs[k].set(sums).expect("each chunk once");
+            return direct::write_chunk(dfile, &bounce[..padded], file_range.start).at(
+                &temp.path,
+                &format!(
+                    "writing {len} bytes (O_DIRECT) at offset {}",
+                    file_range.start
+                ),
+            );
+        }
+        let buf = &mut bufs.gather;
         let gathered: usize = (0..pieces.len())
             .filter(|&i| direct(i).is_none())
             .map(|i| pieces[i].len)
@@ -268,6 +326,14 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             checksum::fold(std::iter::once(header).chain(data), names)
         })
         .collect();
+    for ((temp, layout), d) in temps.iter().zip(&layouts).zip(&directs) {
+        if d.is_some() {
+            // the last direct write was padded to a whole block
+            temp.file
+                .set_len(layout.file_size())
+                .at(&temp.path, "cutting the file to its size")?;
+        }
+    }
     if opts.durable {
         pool::run::<(), _>(opts.threads, temps.len(), None, |_, i| {
             temps[i].file.sync_all().at(&temps[i].path, "fsyncing")
