@@ -218,9 +218,6 @@ class StreamingSave:
         claim = [d for d in mine if not self.progress.is_written(d.id)]
         if not claim:
             return
-        if self._slot is None:
-            self._slot = self._pool.acquire(self.budget)
-            self._ptr = self._slot.data_ptr
         room = self.budget - self._used
         chosen, rest = [], []
         for d in reversed(claim):  # the writer reaches the last tensors last: copy those, let it write the first
@@ -230,10 +227,13 @@ class StreamingSave:
             else:
                 rest.append(d)
         by_id = {d.id: d for d in chosen}
-        assert self._slot.buffer is not None
+        if chosen and self._slot is None:  # allocated once per pool, reused by later saves
+            self._slot = self._pool.acquire(self.budget)
+            self._ptr = self._slot.data_ptr
         with torch.no_grad():
             for i in self.progress.claim([d.id for d in chosen]):
                 d = by_id[i]
+                assert self._slot is not None and self._slot.buffer is not None
                 view = self._slot.buffer[self._used : self._used + d.nbytes]
                 view.view(d.tensor.dtype).view(d.tensor.shape).copy_(d.tensor)
                 self._used += aligned(d.nbytes)

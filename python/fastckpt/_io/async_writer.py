@@ -276,10 +276,13 @@ def default_saver() -> AsyncSaver:
 
 def finish_pending(*, wait: bool) -> None:
     """Call at the start of every save: re-raise an unreported failure of an earlier async save; with ``wait``
-    (a synchronous save), first wait for every async save in flight so saves commit in call order."""
+    (a synchronous or streaming save), first wait for every async save in flight so saves commit in call order.
+    A streaming save in flight is always waited for (its optimizer steps may need the pool slot)."""
     if _DEFAULT is None:
         return
-    if wait:
+    with _DEFAULT._lock:
+        streaming = any(h._stream is not None and not h.done() for h in _DEFAULT._pending)
+    if wait or streaming:
         _DEFAULT.wait_all()
     else:
         _DEFAULT.raise_failed()
