@@ -232,6 +232,22 @@ def test_a_budget_below_the_state_copies_what_fits_and_waits_for_the_rest(tmp_pa
     assert fastckpt.release_buffers() >= 0 and _async.default_saver().pool.nbytes == 0
 
 
+def test_a_step_waiting_for_the_writer_goes_on_when_the_write_fails(tmp_path, held_writer):
+    model = _net()
+    opts = _adam(model)
+    _step(model, opts, 1)
+    (tmp_path / "file").write_text("not a folder")
+    opts[0].register_step_pre_hook(lambda *_: held_writer.set())  # the writer starts, then fails at once
+    handle = fastckpt.save_state(model, opts, output_dir=tmp_path / "file" / "c", async_save=True,
+                                 host_memory_budget=0)  # the step must wait for the writer: nothing is copied
+    stepped = threading.Thread(target=_step, args=(model, opts, 2))
+    stepped.start()
+    stepped.join(60)
+    assert not stepped.is_alive(), "the optimizer step hangs after the write failed"
+    with pytest.raises(OSError):
+        handle.wait()
+
+
 def test_a_bad_budget_or_mode_is_refused_before_anything_is_copied(tmp_path):
     model = _net()
     with pytest.raises(ValueError, match="host_memory_budget"):

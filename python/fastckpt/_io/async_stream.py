@@ -143,7 +143,6 @@ class StreamingSave:
         self._used = 0
         self._hooks: list[Any] = []
         self._events: dict[int, list[tuple[Any, Any]]] = {}  # optimizer -> [(device, event)] (CUDA)
-        self._cuda_copies: list[Any] = []
         torch_opts = [_torch_optimizer(o) for o in optimizers]
         owners = _owned_storages([o for o in torch_opts if o is not None])
         parts, sizes, self.deferred = [], [], []
@@ -156,7 +155,7 @@ class StreamingSave:
                     _check(name, t)  # raises now for what the writer could not write
                     nbytes = t.numel() * t.element_size()
                     mine = owners.get(t.untyped_storage().data_ptr()) if t.numel() else None
-                    if mine and nbytes >= SMALL_BYTES and t.dtype in _STREAMED_DTYPES:
+                    if mine and nbytes >= SMALL_BYTES and t.dtype in _STREAMED_DTYPES and not t.is_inference():
                         self.deferred.append(_Deferred(len(sizes), f"{part.name}:{name}", t, t._version, mine,
                                                        nbytes))
                         tensors[name] = t
@@ -278,7 +277,12 @@ class StreamingSave:
                 raise self._error
 
     def raise_failure(self, exc: BaseException) -> None:
-        """Writer thread: the write raised ``exc``; raise the save's own failure instead when it caused it."""
+        """Writer thread: the write raised ``exc``; raise the save's own failure instead when it caused it.
+
+        The progress is aborted first, so a step waiting for tensors the writer will now never write goes on.
+        """
+        if self.progress is not None:
+            self.progress.abort(f"the write failed: {exc}")
         if self._error is not None and exc is not self._error:
             raise self._error from exc
         raise exc
