@@ -14,11 +14,12 @@ zero-overhead checkpointing), so ``save_state(..., async_save=True)`` does not c
   not yet written into the host buffer pool (only those), hands the copies to the writer, which writes the rest
   from them, and the step goes on. With a ``host_memory_budget`` smaller than what is left to copy, the hook
   copies what fits (the tensors the writer reaches last) and waits for the writer to write the others.
-- *CUDA*: the tensors are copied on the device's side stream, which first waits for the caller's stream, into the
-  pinned pool; the caller's stream waits only for the call-time copies (buffers: the next forward changes them).
-  The hook makes the current stream wait for an event after the copies of its optimizer's tensors (no host
-  synchronisation); the writer writes chunk k while chunk k+1 is still being copied (see
-  :mod:`fastckpt._io.snapshot`).
+- *CUDA*: the call-time tensors are cloned on the device (on the caller's stream: private copies the next forward
+  cannot change); then every tensor is copied on the device's side stream, which first waits for the caller's
+  stream, into the pinned pool. The caller's stream never waits for these copies: the hook makes the current
+  stream wait for an event after the copies of its optimizer's tensors (no host synchronisation), and the writer
+  writes chunk k while chunk k+1 is still being copied (see :mod:`fastckpt._io.snapshot`). A
+  ``host_memory_budget`` below the streamed bytes is refused on CUDA (a ring of pinned buffers is not built).
 
 Safety, never a torn checkpoint: when a tensor becomes safe (at its optimizer's step, after the copy; else once
 every file is written, before the commit) its version counter is compared with the one recorded at the call. A
@@ -366,9 +367,7 @@ class StreamingSave:
                     if last is None or group(last) != group(d) or last.tensor.device != d.tensor.device:
                         event = torch.cuda.Event()
                         event.record(side)
-                        if not d.owners:  # buffers and unowned parameters: the next forward may change them
-                            torch.cuda.current_stream(d.tensor.device).wait_event(event)
-                        for j in d.owners:
+                        for j in d.owners:  # call-time clones are private: nothing needs to wait for them
                             self._events.setdefault(j, []).append((d.tensor.device, event))
                 at += aligned(d.nbytes)
         ids = {d.name: d.id for d in everything}
