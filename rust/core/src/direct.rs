@@ -21,13 +21,19 @@ use crate::layout::FileLayout;
 /// Alignment and length granularity of every direct write: 4096 bytes (any logical block size up to a page).
 pub const BLOCK: u64 = 4096;
 
-/// A second descriptor of `path` opened with `O_DIRECT`, or `None` where the file system refuses it.
+/// A second descriptor of `path` opened with `O_DIRECT`, or `None` where the file system refuses it: at the
+/// open (tmpfs), or at a first aligned write of one zero block at offset 0 (some FUSE and network file systems
+/// accept the flag and fail the writes). That block is overwritten by chunk 0, or by the buffered header write.
 pub fn open_direct(path: &Path) -> Option<File> {
-    OpenOptions::new()
+    let file = OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
-        .ok()
+        .ok()?;
+    let mut probe = WorkerBuffers::default();
+    let (block, _) = probe.bounce(BLOCK as usize);
+    file.write_all_at(block, 0).ok()?;
+    Some(file)
 }
 
 /// `chunk_bytes` rounded up to a whole number of blocks (at least one).
@@ -75,9 +81,10 @@ impl WorkerBuffers {
     }
 }
 
-/// Write `bytes` (a whole chunk, zero-padded to whole blocks) at `offset` through the direct descriptor.
+/// Write `bytes` (a whole chunk, zero-padded to whole blocks) at `offset` through the direct descriptor (one
+/// `pwritev`, the call the buffered path makes too).
 pub fn write_chunk(file: &File, bytes: &[u8], offset: u64) -> std::io::Result<()> {
-    file.write_all_at(bytes, offset)
+    crate::sys::write_all_vectored_at(file, &[bytes], offset)
 }
 
 /// Bytes of `len` rounded up to whole blocks.
