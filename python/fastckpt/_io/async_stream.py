@@ -179,7 +179,16 @@ class StreamingSave:
         self.snapshot: Any = None
         self._ptr = 0
         if self.on_cuda:
-            self._start_cuda_copies()
+            from fastckpt._io.async_cuda import start_copies
+
+            if self.budget < self.streamed_bytes:
+                raise ValueError(
+                    f"host_memory_budget of {self.budget:,} bytes is below the {self.streamed_bytes:,} bytes of "
+                    "parameters and optimizer state to copy; streaming CUDA saves through a smaller ring is not "
+                    "supported: raise the budget or pass async_save='snapshot'"
+                )
+            self.plan, self.snapshot, self._events = start_copies(self.plan, self._device_copies + self.deferred,
+                                                                  self._pool)
             self._ptr = self.snapshot.slot.data_ptr
         else:
             from fastckpt import _core
@@ -309,72 +318,6 @@ class StreamingSave:
         if self.on_cuda:
             return {"ready": self.snapshot.ready}
         return {"progress": self.progress}
-
-    # -- CUDA ----------------------------------------------------------------------------------------------------
-
-    def _start_cuda_copies(self) -> None:
-        """Enqueue the device-to-host copies of the deferred tensors on each device's side stream, grouped by
-        optimizer with an event after each group (what that optimizer's step waits for)."""
-        everything = self._device_copies + self.deferred
-        total = sum(aligned(d.nbytes) for d in everything)
-        if self.budget < self.streamed_bytes:
-            raise ValueError(
-                f"host_memory_budget of {self.budget:,} bytes is below the {self.streamed_bytes:,} bytes of "
-                "parameters and optimizer state to copy; streaming CUDA saves through a smaller ring is not "
-                "supported: raise the budget or pass async_save='snapshot'"
-            )
-        slot = self._pool.acquire(total)
-        try:
-            self._copy_to_host(slot, everything, total)
-        except BaseException:
-            self._pool.release(slot)
-            raise
-
-    def _copy_to_host(self, slot: Slot, everything: list[_Deferred], total: int) -> None:
-        from fastckpt._io.device_load import side_stream
-        from fastckpt._io.snapshot import CUDA_CHUNK_BYTES, Snapshot, _Copy
-
-        assert slot.buffer is not None
-        copies, at = [], 0
-        views: dict[int, torch.Tensor] = {}
-
-        def group(d: _Deferred) -> int:  # call-time copies first, then optimizer 0's tensors, ...
-            return min(d.owners) if d.owners else -1
-
-        order = sorted(everything, key=lambda d: (group(d), d.id))
-        for device in {d.tensor.device for d in order if d.tensor.device.type == "cuda"}:
-            side_stream(device).wait_stream(torch.cuda.current_stream(device))
-        with torch.no_grad():
-            for k, d in enumerate(order):
-                view = slot.buffer[at : at + d.nbytes]
-                views[d.id] = view.view(d.tensor.dtype).view(d.tensor.shape)
-                if d.tensor.device.type != "cuda":
-                    views[d.id].copy_(d.tensor)
-                else:
-                    side = side_stream(d.tensor.device)
-                    with torch.cuda.stream(side):
-                        src = d.tensor.detach()
-                        src = src if src.is_contiguous() else src.contiguous()
-                        flat = src.reshape(-1).view(torch.uint8)
-                        for a in range(0, d.nbytes, CUDA_CHUNK_BYTES):
-                            b = min(d.nbytes, a + CUDA_CHUNK_BYTES)
-                            view[a:b].copy_(flat[a:b], non_blocking=True)
-                            event = torch.cuda.Event()
-                            event.record(side)
-                            copies.append(_Copy(at + a, at + b, event))
-                        d.tensor.record_stream(side)
-                    last = order[k + 1] if k + 1 < len(order) else None
-                    if last is None or group(last) != group(d) or last.tensor.device != d.tensor.device:
-                        event = torch.cuda.Event()
-                        event.record(side)
-                        for j in d.owners:  # call-time clones are private: nothing needs to wait for them
-                            self._events.setdefault(j, []).append((d.tensor.device, event))
-                at += aligned(d.nbytes)
-        ids = {d.name: d.id for d in everything}
-        parts = [dataclasses.replace(p, tensors={n: views.get(ids.get(f"{p.name}:{n}", -1), t)
-                                                 for n, t in p.tensors.items()}) for p in self.plan.parts]
-        self.plan = dataclasses.replace(self.plan, parts=parts)
-        self.snapshot = Snapshot(self.plan, slot, total, copies)
 
 
 def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write: Callable[..., Any],

@@ -25,6 +25,7 @@ pub mod progress;
 pub mod reader;
 pub mod source;
 mod sys;
+mod temp_file;
 pub mod writer;
 
 /// Default bytes per positional write or read: 8 MiB.

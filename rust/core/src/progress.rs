@@ -15,6 +15,8 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
+use crate::layout::FileLayout;
+use crate::writer::FileJob;
 
 /// Bytes of a tensor copied by the caller, in the tensor's logical (row-major) order.
 pub type CopyBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
@@ -280,6 +282,46 @@ impl Progress {
         }
         Ok(())
     }
+}
+
+/// `ids[f][i]`: the progress number of `layouts[f].tensors[i]` (tensors numbered in input order across jobs),
+/// sizes checked against `progress`; empty without progress.
+pub(crate) fn progress_ids(
+    jobs: &[FileJob<'_>],
+    layouts: &[FileLayout<'_>],
+    progress: Option<&Progress>,
+) -> Result<Vec<Vec<usize>>> {
+    let Some(progress) = progress else {
+        return Ok(Vec::new());
+    };
+    let total: usize = jobs.iter().map(|j| j.tensors.len()).sum();
+    if progress.len() != total {
+        return Err(Error::InvalidArgument(format!(
+            "the progress tracks {} tensors, the write has {total}",
+            progress.len()
+        )));
+    }
+    let mut first = 0;
+    let mut ids = Vec::with_capacity(jobs.len());
+    for (job, layout) in jobs.iter().zip(layouts) {
+        let position: std::collections::HashMap<&str, usize> = job
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), first + i))
+            .collect();
+        let mine = layout
+            .tensors
+            .iter()
+            .map(|t| {
+                let id = position[t.name.as_str()];
+                progress.check_size(id, t.nbytes, &t.name).map(|()| id)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ids.push(mine);
+        first += job.tensors.len();
+    }
+    Ok(ids)
 }
 
 fn out_of_range(id: usize, n: usize) -> Error {

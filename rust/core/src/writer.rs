@@ -4,9 +4,8 @@
 //! are summed (crc32c, per tensor piece) by the thread that writes them; see [`crate::checksum`].
 
 use std::collections::BTreeSet;
-use std::fs::{self, File, OpenOptions};
-use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::fs;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 #[cfg(test)]
@@ -21,6 +20,7 @@ use crate::pool;
 use crate::progress::{PieceSource, Progress};
 use crate::source::TensorSource;
 use crate::sys;
+use crate::temp_file::{parent_dir, TempFile};
 
 /// How to write.
 #[derive(Debug, Clone)]
@@ -144,7 +144,7 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    let ids = progress_ids(jobs, &layouts, opts.progress.as_deref())?;
+    let ids = crate::progress::progress_ids(jobs, &layouts, opts.progress.as_deref())?;
     let mut temps = Vec::with_capacity(jobs.len());
     let mut directs = Vec::with_capacity(jobs.len());
     for (job, layout) in jobs.iter().zip(&layouts) {
@@ -360,117 +360,8 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
     })
 }
 
-/// `ids[f][i]`: the progress number of `layouts[f].tensors[i]` (tensors numbered in input order across jobs),
-/// sizes checked against `progress`; empty without progress.
-fn progress_ids(
-    jobs: &[FileJob<'_>],
-    layouts: &[FileLayout<'_>],
-    progress: Option<&Progress>,
-) -> Result<Vec<Vec<usize>>> {
-    let Some(progress) = progress else {
-        return Ok(Vec::new());
-    };
-    let total: usize = jobs.iter().map(|j| j.tensors.len()).sum();
-    if progress.len() != total {
-        return Err(Error::InvalidArgument(format!(
-            "the progress tracks {} tensors, the write has {total}",
-            progress.len()
-        )));
-    }
-    let mut first = 0;
-    let mut ids = Vec::with_capacity(jobs.len());
-    for (job, layout) in jobs.iter().zip(layouts) {
-        let position: std::collections::HashMap<&str, usize> = job
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.as_str(), first + i))
-            .collect();
-        let mine = layout
-            .tensors
-            .iter()
-            .map(|t| {
-                let id = position[t.name.as_str()];
-                progress.check_size(id, t.nbytes, &t.name).map(|()| id)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        ids.push(mine);
-        first += job.tensors.len();
-    }
-    Ok(ids)
-}
-
 fn range_len(parts: &[&[u8]]) -> usize {
     parts.iter().map(|p| p.len()).sum()
-}
-
-/// The folder holding `path` (`.` for a bare file name).
-fn parent_dir(path: &Path) -> PathBuf {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
-
-/// A temp file beside its target, removed on drop unless committed.
-struct TempFile {
-    path: PathBuf,
-    file: File,
-    committed: bool,
-}
-
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-impl TempFile {
-    /// Create `.<target name>.<pid>.<n>.tmp` beside `target` with mode 0o666 & ~umask, or the target's mode
-    /// when it already exists.
-    fn create(target: &Path) -> Result<TempFile> {
-        let name = target.file_name().ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: not a file path", target.display()))
-        })?;
-        let dir = parent_dir(target);
-        let existing_mode = match fs::metadata(target) {
-            Ok(m) => Some(m.permissions().mode() & 0o7777),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io(target, "reading the existing file's mode", e)),
-        };
-        loop {
-            let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-            let mut temp_name = std::ffi::OsString::from(".");
-            temp_name.push(name);
-            temp_name.push(format!(".{}.{n}.tmp", std::process::id()));
-            let path = dir.join(temp_name);
-            let opened = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o666)
-                .open(&path);
-            let file = match opened {
-                Ok(f) => f,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(Error::io(&path, "creating the temp file", e)),
-            };
-            let temp = TempFile {
-                path,
-                file,
-                committed: false,
-            };
-            if let Some(mode) = existing_mode {
-                temp.file
-                    .set_permissions(fs::Permissions::from_mode(mode))
-                    .at(&temp.path, "copying the existing file's mode to")?;
-            }
-            return Ok(temp);
-        }
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = fs::remove_file(&self.path);
-        }
-    }
 }
 
 #[cfg(test)]
