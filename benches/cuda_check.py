@@ -7,14 +7,19 @@ Run from the repository root on the device machine (no network, no Rust toolchai
 
 Build the wheel beforehand on a machine with Rust: ``maturin build --release -o dist`` (abi3, any Python >= 3.11).
 
-1. Correctness: ``tests/test_cuda.py``, ``tests/test_async_save.py`` and ``tests/test_gil.py`` with pytest when it
-   is installed; without pytest, the ``test_*`` functions of ``tests/test_cuda.py`` are called directly.
+1. Correctness: ``tests/io/test_cuda.py``, ``tests/io/test_async_save.py``, ``tests/io/test_async_stream.py`` and
+   ``tests/format/test_gil.py`` with pytest when it is installed; without pytest, the ``test_*`` functions of
+   ``tests/io/test_cuda.py`` are called directly.
 2. Timing, on a GPT-style state (fp32 weights + AdamW moments on the GPU, ``--gb`` GB in all), each contender
    once per round, alternated, medians: the device-to-host copy of the state into pinned memory (the PCIe limit),
    the raw sequential write / read of the same bytes (the disk limit), fastckpt's synchronous save (chunked copies
    overlapping the writes), the same save with the overlap switched off, the async save (blocking time and time to
    durable), ``torch.save`` of the GPU state dicts (+ fsync), and loads into the existing GPU state (warm and cold
    page cache) against ``torch.load(map_location="cuda")``. Writes ``$OUT/cuda_check.json`` when ``$OUT`` is set.
+3. The training loop (:mod:`benches._cuda_train`): the same state training on the GPU, a checkpoint between two
+   steps: the call's blocking time, the forward/backward pass and the ``optimizer.step()`` after the call (its
+   stall against max(0, copy time - forward/backward time) + 5 ms), for fastckpt's streaming async save, the
+   snapshot one and DCP ``async_save`` with its pinned ``DefaultStager``. ``--no-train-loop`` skips it.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def install_wheel() -> None:
 
 def run_checks() -> bool:
     """The correctness checks; True when all passed."""
-    files = ["tests/test_cuda.py", "tests/test_async_save.py", "tests/test_gil.py"]
+    files = ["tests/io/test_cuda.py", "tests/io/test_async_save.py", "tests/io/test_async_stream.py",
+             "tests/format/test_gil.py"]
     if importlib.util.find_spec("pytest") is not None:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-o", "addopts=", *files]
         print("$", " ".join(cmd), flush=True)
@@ -56,7 +62,8 @@ def run_checks() -> bool:
             return rc == 0
         print(f"pytest could not run these files (exit {rc})", flush=True)
     print("calling the test_* functions of tests/test_cuda.py directly", flush=True)
-    spec = importlib.util.spec_from_file_location("test_cuda", ROOT / "tests" / "test_cuda.py")
+    sys.path.insert(0, str(ROOT / "tests"))  # the test module imports helpers.*
+    spec = importlib.util.spec_from_file_location("test_cuda", ROOT / "tests" / "io" / "test_cuda.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     ok = True
@@ -91,8 +98,10 @@ def _gpu_state(gb: float):
     return model, optimizer
 
 
-def time_cuda_path(gb: float, rounds: int, folder: pathlib.Path) -> list[tuple[str, list[float], list[float], int]]:
-    """Rows ``(name, returned seconds per round, done seconds per round, bytes)``."""
+def time_cuda_path(gb: float, rounds: int, folder: pathlib.Path,
+                   train_loop: bool = True) -> tuple[list[tuple[str, list[float], list[float], int]], list[str]]:
+    """Rows ``(name, returned seconds per round, done seconds per round, bytes)``, and the training-loop table's
+    lines (empty with ``train_loop=False``)."""
     import torch
 
     import fastckpt
@@ -193,7 +202,15 @@ def time_cuda_path(gb: float, rounds: int, folder: pathlib.Path) -> list[tuple[s
                 drop_caches([folder / "torch-src"])
                 timed("torch.load(map_location='cuda') + load_state_dict (cold)", load)
             shutil.rmtree(out, ignore_errors=True)
-    return [(name, r, d, nbytes) for name, (r, d) in results.items()]
+    loop_lines: list[str] = []
+    if train_loop:
+        from benches._cuda_train import time_train_loop
+
+        try:
+            loop_lines = time_train_loop(model, optimizer, folder, rounds)
+        except Exception:  # reported, the rest of the results still count
+            loop_lines = ["training loop failed:", "```", traceback.format_exc(), "```"]
+    return [(name, r, d, nbytes) for name, (r, d) in results.items()], loop_lines
 
 
 def main() -> int:
@@ -202,6 +219,7 @@ def main() -> int:
     parser.add_argument("--gb", type=float, default=4.0, help="total state size in GB (default 4)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--no-train-loop", action="store_true", help="skip the training-loop timing")
     parser.add_argument("--dir", default=os.environ.get("FASTCKPT_BENCH_DIR", tempfile.gettempdir()))
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -222,7 +240,7 @@ def main() -> int:
     folder = pathlib.Path(args.dir) / f"fastckpt-cuda-{os.getpid()}"
     folder.mkdir(parents=True)
     try:
-        rows = time_cuda_path(args.gb, args.rounds, folder)
+        rows, loop_lines = time_cuda_path(args.gb, args.rounds, folder, train_loop=not args.no_train_loop)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     from benches._measure import machine_description
@@ -237,6 +255,7 @@ def main() -> int:
         base = raw["load" if "load" in name else "save"] if ("save" in name or "load" in name) else None
         ratio = f"{statistics.median(b / x for b, x in zip(base, done)):.2f}x" if base else ""
         lines.append(f"| {name} | {nbytes / 1e9:.2f} | {r:.3f} | {d:.3f} | {nbytes / 1e9 / d:.2f} | {ratio} |")
+    lines += ["", *loop_lines]
     print("\n".join(lines), flush=True)
     if os.environ.get("OUT"):
         payload = {"ok": ok, "table": lines, "rows": [(n, r, d, b) for n, r, d, b in rows]}

@@ -6,7 +6,7 @@ a ``model_only`` switch on both sides; ``fastckpt.torch`` is a drop-in ``safeten
 
 from __future__ import annotations
 
-from fastckpt._io.async_writer import AsyncSave
+from fastckpt._io.async_writer import AsyncSave, release_buffers
 from fastckpt._io.integrity import VerifyReport, check_checkpoint, verify_checkpoint
 from fastckpt._io.layout import latest_checkpoint
 from fastckpt._state.rng import RngRestoreWarning
@@ -17,6 +17,7 @@ from fastckpt.errors import (
     CheckpointError,
     ClosedFileError,
     CollectiveTimeoutError,
+    ConcurrentModificationError,
     DtypeError,
     FrozenWeightsError,
     HeaderError,
@@ -70,5 +71,7 @@ __all__ = [
     "MetaTensorError",
     "CollectiveTimeoutError",
     "CheckpointChangedError",
+    "ConcurrentModificationError",
+    "release_buffers",
     "__version__",
 ]

@@ -16,8 +16,8 @@ from typing import TypeAlias, final
 from typing_extensions import Buffer
 
 __all__ = [
-    "SafetensorsFile", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors", "parse_header",
-    "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
+    "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors",
+    "parse_header", "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
 ]
 
 #: ``(name, dtype, shape, buffer, byte_offset, byte_strides)``: a tensor of safetensors dtype ``dtype``
@@ -93,8 +93,13 @@ def write_files_checked(
     threads: int = 0,
     chunk_bytes: int = 8 << 20,
     ready: Callable[[list[tuple[int, int]]], object] | None = None,
+    progress: WriteProgress | None = None,
 ) -> list[_FileDigest]:
     """:func:`write_files`, also returning each file's crc32c checksums (a :data:`_FileDigest` per job).
+
+    ``progress``: the writer reports there which tensors are written, and writes a tensor taken over with
+    :meth:`WriteProgress.claim` from the copy given to :meth:`WriteProgress.provide`. Its tensors are numbered
+    in the order of ``jobs``, each job's tensors in the order given; its sizes must match (ValueError otherwise).
 
     The sums are computed while the bytes are written, by the thread that writes each chunk (hardware crc32c,
     pieces combined with ``crc32c_combine``), so they cost no second pass and do not depend on ``threads`` or
@@ -130,6 +135,33 @@ def write_assembled(
             different lengths. DtypeError: an unknown dtype or a shape that is not whole bytes.
         TruncatedFileError: a source is shorter than a range. OSError: the I/O failed (the target is untouched).
     """
+
+@final
+class WriteProgress:
+    """Per-tensor progress of one write from live tensor memory, shared with Python (``fastckpt._io.async_stream``).
+
+    Args:
+        sizes: each tensor's size in bytes, numbered as :func:`write_files_checked` numbers them.
+
+    A caller that must change live tensors while they are being written (an optimizer step during an async save)
+    claims them, copies the unwritten ones and provides the copies; the writer writes the rest from the copies.
+    Every wait releases the GIL.
+    """
+
+    def __new__(cls, sizes: Sequence[int]) -> WriteProgress: ...
+    def __len__(self) -> int: ...
+    def is_written(self, id: int) -> bool:
+        """Whether every byte of tensor ``id`` is in its file. Raises ValueError for an unknown id."""
+    def claim(self, ids: Sequence[int]) -> list[int]:
+        """Take tensors over: no new read of their live memory starts; waits for the reads running, then returns
+        the ids still not fully written (in the order given). Provide a copy of each, or :meth:`abort`."""
+    def wait_written(self, ids: Sequence[int]) -> None:
+        """Block until every tensor of ``ids`` is written (or the write is aborted)."""
+    def provide(self, id: int, copy: Buffer) -> None:
+        """Hand over the copy of claimed tensor ``id``: a C-contiguous buffer of exactly its bytes in logical order,
+        not written to afterwards. Raises ValueError if ``id`` was not claimed or the size differs."""
+    def abort(self, message: str) -> None:
+        """Stop the write: chunks waiting for a copy, and later ones, fail naming ``message``."""
 
 def checksum_files(
     paths: Sequence[_StrPath], *, threads: int = 0, chunk_bytes: int = 8 << 20

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from fastckpt._io.async_writer import AsyncSave, finish_pending, submit
+from fastckpt._io.async_stream import submit_stream
+from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, process_rank
 from fastckpt._io.folder import RETRIES, opened_files, pinned
@@ -134,6 +135,7 @@ def save_state(
     dtype: torch.dtype | None = None,
     share_unchanged: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
+    host_memory_budget: int | str | None = None,
 ) -> Path | AsyncSave:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
@@ -166,10 +168,19 @@ def save_state(
             ``Accelerator.save_state`` writes (``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl`` are
             pickles; ``model.safetensors`` unsharded) plus the manifest, so stock ``Accelerator.load_state``
             restores it.
-        async_save: return as soon as the state is copied into a reused host buffer pool (for CUDA tensors: as
-            soon as the copies are enqueued on a side stream) and write the checkpoint on a background thread;
-            the checkpoint holds the values as of the call even if training keeps updating them. At most one
-            async save is in flight: a second one waits for the first to be written. See :mod:`fastckpt._io.async_writer`.
+        async_save: ``True``: return once the module buffers, small tensors and parameters no passed optimizer
+            owns are copied; parameters and optimizer state are written in the background straight from the live
+            tensors (CUDA: copied on a side stream), and each passed optimizer's next ``step()`` first waits for
+            (CPU: copies) only its tensors not yet written. The checkpoint holds the values as of the call; a
+            tensor changed in place outside ``step()`` before it was written fails the save with
+            ``ConcurrentModificationError`` (see :mod:`fastckpt._io.async_stream`). ``"snapshot"``: copy the
+            whole state into a reused host buffer pool at the call, then write in the background (see
+            :mod:`fastckpt._io.async_writer`). At most one async save is in flight: a second one waits for the
+            first to be written.
+        host_memory_budget: with ``async_save=True``, host bytes (pinned with CUDA) the save may hold for
+            copies (an int, or ``"4GB"``, ``"512MiB"``); None: as needed, at most the state's size. Below what a
+            step must copy, the step copies what fits and waits for the writer to write the rest. The buffers are
+            reused across saves and freed by :func:`fastckpt.release_buffers` or after 60 s without a save.
         trainable_only: write only the parameters with ``requires_grad`` (and ``trainable_buffers``), plus the
             optimizer state (which covers only those); the frozen rest is recorded in the manifest by name, dtype,
             shape and xxh3-128 content hash, and checked when the checkpoint is loaded into a model built from
@@ -215,7 +226,9 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
-    finish_pending(wait=not async_save)
+    if async_save not in (False, True, "snapshot"):
+        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)
     timeout = check_timeout(timeout)
     models = _as_list(model, "model")
@@ -245,17 +258,21 @@ def save_state(
 
         after_commit = plan_sharing(plan, models, previous_checkpoint(root, target), max_shard_size=max_shard_size,
                                     threads=threads)
-    if async_save or has_device_tensors(plan):  # snapshot into the host buffer pool, write on the writer thread
-        write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-        rotate = (functools.partial(rotate_checkpoints, root, total_limit, model_only=model_only)
-                  if auto and total_limit is not None else None)
-        handle = submit(plan, target.absolute(), write=write, blocking=not async_save, auto_named=auto, after=rotate)
-        if async_save:
-            return handle
-        committed = handle.wait()
+    write = functools.partial(write_checkpoint, durable=durable, threads=threads)
+
+    def after() -> None:  # on the writer thread, after a successful commit
         if after_commit is not None:
-            after_commit(committed)
-        return committed
+            after_commit(target.absolute())
+        if auto and total_limit is not None:
+            rotate_checkpoints(root, total_limit, model_only=model_only)
+
+    if async_save is True:  # stream from the live tensors; the optimizers' steps wait for what is not yet safe
+        return submit_stream(plan, [] if model_only else _as_list(optimizer, "optimizer"), target.absolute(),
+                             write=write, budget=host_memory_budget, auto_named=auto, after=after)
+    if async_save:  # "snapshot": copy everything into the host buffer pool, write on the writer thread
+        return submit(plan, target.absolute(), write=write, blocking=False, auto_named=auto, after=after)
+    if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
+        return submit(plan, target.absolute(), write=write, blocking=True, auto_named=auto, after=after).wait()
     write_checkpoint(plan, target, durable=durable, threads=threads)
     if after_commit is not None:
         after_commit(target)
@@ -342,6 +359,8 @@ def load_state(
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
     timeout = check_timeout(timeout)
+    wait_for_saves_to(Path(input_dir) if input_dir is not None
+                      else Path(project_dir if project_dir is not None else os.getcwd()) / "checkpoints")
     folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
     if is_sharded(models) or is_sharded_checkpoint(folder):
         return _load_sharded(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,

@@ -29,6 +29,7 @@ __all__ = [
     "MetaTensorError",
     "CollectiveTimeoutError",
     "CheckpointChangedError",
+    "ConcurrentModificationError",
 ]
 
 
@@ -98,3 +99,14 @@ class CollectiveTimeoutError(CheckpointError, TimeoutError):
 class CheckpointChangedError(IntegrityError):
     """Another save replaced or rewrote the checkpoint while it was being read (its files no longer belong to the
     manifest that was read first). Nothing was changed: retry the load (``load_state`` already retried)."""
+
+
+class ConcurrentModificationError(CheckpointError, RuntimeError):
+    """A tensor of an async save was changed in place before it was written or copied.
+
+    ``save_state(..., async_save=True)`` writes parameters and optimizer state after the call returns, up to
+    their optimizer's next ``step()``; an in-place change outside that step (an EMA update, manual clipping,
+    ``load_state_dict``) would tear the checkpoint, so the save fails instead: nothing is committed and the
+    previous checkpoint stays. The message names the tensor; call ``wait()`` on the handle before such changes,
+    or pass ``async_save="snapshot"`` to copy the whole state at the call.
+    """

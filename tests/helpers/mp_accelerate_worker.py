@@ -8,6 +8,8 @@ B: compat="accelerate" save -> stock ``Accelerator.load_state`` in two processes
 C: stock ``Accelerator.save_state`` (DDP ``module.`` keys, two RNG files) -> fastckpt.accelerate load.
 D: rank 1's RNG file damaged -> rank 1 raises HeaderError, rank 0 CheckpointError, nothing changes on either.
 E: the main process cannot write -> it raises its OSError, rank 1 CheckpointError; the group stays usable.
+F: ``async_save=True`` while three DDP steps run: every rank's handle completes after the one commit, which holds
+   the values at the call; a failed async write raises on every rank's ``wait()``.
 """
 
 from __future__ import annotations
@@ -162,10 +164,52 @@ def scenario_e(rank: int) -> None:
     checks["E_group_usable"] = True
 
 
+def scenario_f(rank: int) -> None:
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(5)
+    model, opt = acc.prepare(nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 8)),
+                             torch.optim.AdamW(nn.Linear(1, 1).parameters()))  # replaced below
+    inner = acc.unwrap_model(model)
+    opt.optimizer.param_groups.clear()
+    opt.optimizer.add_param_group({"params": list(inner.parameters()), "lr": 1e-2})
+    g = torch.Generator().manual_seed(600 + rank)
+
+    def step() -> None:
+        opt.zero_grad()
+        acc.backward(model(torch.randn(4, 128, generator=g)).square().mean())
+        opt.step()
+
+    step()
+    expected = ({k: v.clone() for k, v in inner.state_dict().items()},
+                {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()})
+    handle = fastckpt.accelerate.save_state(acc, OUT / "async", async_save=True)
+    checks["F_handle"] = type(handle).__name__
+    for _ in range(3):  # all-reduces on the default group while the writer broadcasts on its own
+        step()
+    checks["F_path"] = str(handle.wait())
+    loaded = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 8))
+    fresh = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    fastckpt.load_state(loaded, fresh, input_dir=OUT / "async")
+    state = fresh.state_dict()["state"]
+    checks["F_state_equal"] = (all(torch.equal(v, expected[0][k]) for k, v in loaded.state_dict().items())
+                               and all(torch.equal(state[i][k], expected[1][i][k]) for i in expected[1]
+                                       for k in expected[1][i]))
+    if rank == 0:
+        (OUT / "f_file").write_text("not a folder")
+    dist.barrier()
+    failing = fastckpt.accelerate.save_state(acc, OUT / "f_file" / "ckpt", async_save=True)
+    step()
+    try:
+        failing.wait()
+        checks["F_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the type is the result
+        checks["F_error"] = type(exc).__name__
+
+
 def main() -> None:
     rank = int(dist.get_rank()) if dist.is_initialized() else int(__import__("os").environ.get("RANK", 0))
     try:
-        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e):
+        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f):
             scenario(rank)
     except Exception:
         checks["crash"] = traceback.format_exc()

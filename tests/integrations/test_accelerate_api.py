@@ -331,3 +331,18 @@ def test_cuda_round_trip_with_cuda_rng(tmp_path, new_accelerator, compat):
         assert_restored(model2, opt2, sched2, expected)
         assert opt2.state_dict()["state"][0]["exp_avg"].device.type == "cuda"
         assert (draws(), torch.rand(3, device="cuda").tolist()) == after, (source, loader)
+
+
+@pytest.mark.parametrize("mode", [True, "snapshot"])
+def test_async_save_returns_a_handle_holding_the_state_at_the_call(tmp_path, new_accelerator, mode):
+    acc, model, opt, sched, dl, ema = _everything(new_accelerator, 1)
+    expected = snapshot(model, opt, sched)
+    handle = fastckpt.accelerate.save_state(acc, tmp_path / "ckpt", async_save=mode)
+    assert isinstance(handle, fastckpt.AsyncSave)
+    for p in acc.unwrap_model(model).parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the step after the call changes every parameter in place
+    assert handle.wait() == (tmp_path / "ckpt").absolute()
+    acc2, model2, opt2, sched2, dl2, ema2 = _everything(new_accelerator, 2, train=False)
+    fastckpt.accelerate.load_state(acc2, tmp_path / "ckpt")
+    assert_restored(model2, opt2, sched2, expected)

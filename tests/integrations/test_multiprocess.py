@@ -88,3 +88,14 @@ def test_failed_save_raises_on_every_rank(run):
     out, (r0, r1) = run
     assert r0["E_error"] == "FileExistsError" and r1["E_error"] == "CheckpointError"
     assert r0["E_group_usable"] is True and r1["E_group_usable"] is True
+
+
+def test_async_save_completes_on_every_rank_after_the_one_commit(run):
+    out, results = run
+    assert [r["F_handle"] for r in results] == ["AsyncSave", "AsyncSave"]
+    assert [r["F_path"] for r in results] == [str(out / "async")] * 2
+    assert all(r["F_state_equal"] is True for r in results)
+    assert results[0]["F_error"] in ("FileExistsError", "NotADirectoryError") and results[1]["F_error"] == "CheckpointError"
+    assert sorted(p.name for p in (out / "async").iterdir()) == [
+        "fastckpt.json", "model.safetensors", "optimizer.safetensors", "random_states_0.safetensors",
+        "random_states_1.safetensors"]

@@ -99,7 +99,7 @@ def test_the_host_buffer_pool_is_allocated_once_and_reused(tmp_path):
     _step(model, optimizer, 1)
     handles = []
     for i in range(3):
-        handles.append(fastckpt.save_state(model, optimizer, output_dir=tmp_path / f"c{i}", async_save=True))
+        handles.append(fastckpt.save_state(model, optimizer, output_dir=tmp_path / f"c{i}", async_save="snapshot"))
         handles[-1].wait()
         _step(model, optimizer, 10 + i)
     assert len({h.buffer_ptr for h in handles}) == 1 and handles[0].buffer_ptr != 0

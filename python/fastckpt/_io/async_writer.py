@@ -32,7 +32,8 @@ from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool
 from fastckpt._io.snapshot import Snapshot, snapshot_plan
 
-__all__ = ["AsyncSave", "AsyncSaver", "default_saver", "finish_pending", "submit"]
+__all__ = ["AsyncSave", "AsyncSaver", "default_saver", "finish_pending", "release_buffers", "submit",
+           "wait_for_saves_to"]
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
 
@@ -42,20 +43,31 @@ class AsyncSave:
 
     Attributes:
         path: the checkpoint folder it commits (absolute).
-        blocking_seconds: how long the caller was blocked for the snapshot (seconds).
-        snapshot_bytes: bytes copied into the host buffer pool.
+        blocking_seconds: how long the caller was blocked (seconds).
+        snapshot_bytes: bytes copied at the call (the whole state with ``async_save="snapshot"``; for a streaming
+            save only the buffers, small tensors and unowned parameters).
         buffer_ptr: address of the pool buffer holding the snapshot (the same across saves while it is reused).
         pool_allocations: allocations of that buffer so far (stays 1 while the state does not grow).
     """
 
-    def __init__(self, path: Path, future: Future, snapshot: Snapshot, blocking_seconds: float) -> None:
+    def __init__(self, path: Path, future: Future, snapshot: Snapshot | None, blocking_seconds: float, *,
+                 stream: Any = None) -> None:
         self.path = path
         self.blocking_seconds = blocking_seconds
-        self.snapshot_bytes = snapshot.nbytes
-        self.buffer_ptr = snapshot.slot.data_ptr
-        self.pool_allocations = snapshot.slot.allocations
+        self.snapshot_bytes = snapshot.nbytes if snapshot is not None else stream.call_bytes
+        self._snapshot_slot = snapshot.slot if snapshot is not None else None
+        self._stream = stream
+        self.pool_allocations = snapshot.slot.allocations if snapshot is not None else 0
         self._future = future
         self._reported = False
+
+    @property
+    def buffer_ptr(self) -> int:
+        """Address of the pool buffer the save copied into (0 when a streaming save needed no copy)."""
+        if self._stream is not None:
+            return self._stream.buffer_ptr
+        assert self._snapshot_slot is not None
+        return self._snapshot_slot.data_ptr
 
     def done(self) -> bool:
         """True once the save is committed or has failed (never blocks)."""
@@ -107,6 +119,7 @@ class AsyncSaver:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-async-save")
         self._lock = threading.Lock()
         self._pending: list[AsyncSave] = []
+        self._idle: threading.Timer | None = None
 
     def raise_failed(self) -> None:
         """Re-raise the first failure of an earlier save that was not yet reported (each is raised once)."""
@@ -143,6 +156,56 @@ class AsyncSaver:
                      and (g := _NUMBERED.match(h.path.name))]
         n = max([int(m.group(1)), *(t + 1 for t in taken)])
         return target.with_name(f"checkpoint_{n}")
+
+    def start(self, target: Path, run: Callable[[], Path], *, blocking_seconds: float, stream: Any) -> AsyncSave:
+        """Run ``run()`` on the writer thread for a save prepared by the caller (a streaming save,
+        :mod:`fastckpt._io.async_stream`); returns its handle."""
+        self._cancel_idle()
+        future = self._executor.submit(self._then_idle(run))
+        handle = AsyncSave(target, future, None, blocking_seconds, stream=stream)
+        with self._lock:
+            self._pending.append(handle)
+        return handle
+
+    def in_flight_to(self, folder: Path) -> list[AsyncSave]:
+        """Saves in flight whose checkpoint is ``folder`` or lies inside it (an automatic-naming root)."""
+        folder = Path(folder).absolute()
+        with self._lock:
+            return [h for h in self._pending if not h.done() and (h.path == folder or folder in h.path.parents)]
+
+    def release_buffers(self) -> int:
+        """Free the host buffers of every idle pool slot; returns the bytes freed."""
+        return self.pool.release_buffers()
+
+    def _then_idle(self, run: Callable[[], Path]) -> Callable[[], Path]:
+        def wrapped() -> Path:
+            try:
+                return run()
+            finally:
+                self._arm_idle()
+        return wrapped
+
+    def _arm_idle(self) -> None:
+        with self._lock:
+            self._cancel_idle_locked()
+            timer = threading.Timer(IDLE_RELEASE_SECONDS, self._release_if_idle)
+            timer.daemon = True
+            self._idle = timer
+            timer.start()
+
+    def _cancel_idle(self) -> None:
+        with self._lock:
+            self._cancel_idle_locked()
+
+    def _cancel_idle_locked(self) -> None:
+        timer = getattr(self, "_idle", None)
+        if timer is not None:
+            timer.cancel()
+            self._idle = None
+
+    def _release_if_idle(self) -> None:
+        if self.pool.in_use() == 0:
+            self.pool.release_buffers()
 
     def submit(self, plan: SavePlan, target: Path, *, write: Callable[..., Any], blocking: bool = False,
                after: Callable[[], Any] | None = None) -> AsyncSave:
@@ -184,8 +247,9 @@ class AsyncSaver:
             finally:
                 self.pool.release(snapshot.slot)
 
+        self._cancel_idle()
         try:
-            future = self._executor.submit(run)
+            future = self._executor.submit(self._then_idle(run))
         except BaseException:
             self.pool.release(snapshot.slot)
             raise
@@ -196,6 +260,8 @@ class AsyncSaver:
 
 
 _DEFAULT: AsyncSaver | None = None
+#: Seconds without a save in flight after which the default saver frees its host buffers.
+IDLE_RELEASE_SECONDS = 60.0
 _DEFAULT_LOCK = threading.Lock()
 
 
@@ -210,13 +276,38 @@ def default_saver() -> AsyncSaver:
 
 def finish_pending(*, wait: bool) -> None:
     """Call at the start of every save: re-raise an unreported failure of an earlier async save; with ``wait``
-    (a synchronous save), first wait for every async save in flight so saves commit in call order."""
+    (a synchronous or streaming save), first wait for every async save in flight so saves commit in call order.
+    A streaming save in flight is always waited for (its optimizer steps may need the pool slot)."""
     if _DEFAULT is None:
         return
-    if wait:
+    with _DEFAULT._lock:
+        streaming = any(h._stream is not None and not h.done() for h in _DEFAULT._pending)
+    if wait or streaming:
         _DEFAULT.wait_all()
     else:
         _DEFAULT.raise_failed()
+
+
+def release_buffers() -> int:
+    """Free the host (pinned with CUDA) buffers async saves keep for reuse; returns the bytes freed.
+
+    Buffers of a save in flight are kept. They are also freed by themselves after ``IDLE_RELEASE_SECONDS``
+    (60 s) without a save in flight; the next save allocates them again.
+
+    Example:
+        >>> fastckpt.save_state(model, optimizer, output_dir="ckpt", async_save=True).wait()
+        >>> fastckpt.release_buffers()
+    """
+    return 0 if _DEFAULT is None else _DEFAULT.release_buffers()
+
+
+def wait_for_saves_to(folder: Path) -> None:
+    """Wait for the async saves in flight whose checkpoint is ``folder`` or lies inside it (before a load reads
+    it), re-raising a failure of theirs."""
+    if _DEFAULT is None:
+        return
+    for handle in _DEFAULT.in_flight_to(folder):
+        handle.wait()
 
 
 def submit(plan: SavePlan, target: Path, *, write: Callable[..., Any], blocking: bool = False,

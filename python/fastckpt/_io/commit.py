@@ -184,7 +184,8 @@ def check_target(output_dir: str | os.PathLike[str]) -> Path:
 
 
 def write_files(plan: SavePlan, folder: Path, *, save_id: str, durable: bool, threads: int, ready: Any,
-                file_mode: int | None, extra: dict[str, Any] | None = None, tag_files: bool = False) -> dict[str, int]:
+                file_mode: int | None, extra: dict[str, Any] | None = None, tag_files: bool = False,
+                progress: Any = None, before_commit: Any = None) -> dict[str, int]:
     """Write every file of ``plan`` into the existing ``folder``, the manifest last; returns ``{name: bytes}``.
 
     With ``tag_files`` (an in-place commit, whose files are renamed into the folder one by one) the manifest
@@ -197,7 +198,7 @@ def write_files(plan: SavePlan, folder: Path, *, save_id: str, durable: bool, th
         return [*p.metadata, (SAVE_ID_KEY, save_id)] if tag_files and p.metadata is not None else p.metadata
 
     jobs = [(str(folder / p.name), tensor_sources(p.tensors, p.dtype), metadata(p)) for p in plan.parts]
-    digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=ready)
+    digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=ready, progress=progress)
     files = {p.name: digest[0] for p, digest in zip(plan.parts, digests)}
     checksums = {p.name: digest_entry(digest) for p, digest in zip(plan.parts, digests)}
     if plan.links:  # shards equal to the previous checkpoint's: hard links (see fastckpt._io.sharing)
@@ -213,6 +214,8 @@ def write_files(plan: SavePlan, folder: Path, *, save_id: str, durable: bool, th
         data = text if isinstance(text, bytes) else text.encode("utf-8")
         files[name] = write_text(folder / name, data, durable)
         checksums[name] = text_entry(data)
+    if before_commit is not None:  # e.g. an async save's last checks; raising here commits nothing
+        before_commit()
     facts = {**plan.counts, **({"save_id": save_id} if tag_files else {}), **(extra or {})}
     manifest = manifest_dict(plan.mode, files, facts, plan.step, checksums=checksums)
     write_text(folder / MANIFEST, json.dumps(manifest, indent=2), durable)
@@ -223,12 +226,15 @@ def write_files(plan: SavePlan, folder: Path, *, save_id: str, durable: bool, th
 
 
 def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, threads: int = 0,
-                     ready: Any = None) -> Path:
+                     ready: Any = None, progress: Any = None, before_commit: Any = None) -> Path:
     """Write ``plan`` to the folder ``target`` crash-safely (see the module docs); returns ``target``.
 
     ``ready`` (optional): ``ready([(address, length), ...])``, called by the writer before each chunk with the
     source memory it reads, returns once those bytes are final (CUDA staging: :meth:`fastckpt._io.snapshot.Snapshot.
     ready`), so chunk k is written while chunk k+1 is still being copied from the device.
+    ``progress`` (optional): a ``fastckpt._core.WriteProgress`` over the plan's tensors, in part order (streaming
+    async saves, :mod:`fastckpt._io.async_stream`). ``before_commit`` (optional): called once every file is
+    written, before the manifest; if it raises, nothing is committed.
 
     A target that is a mount point, sits in a folder this process cannot write, or holds many files of the user's
     is committed inside itself instead (:mod:`fastckpt._io.in_place`); that is decided before anything is written.
@@ -251,15 +257,16 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
         file_mode = _existing(target)[0]
         commit_in_place(target, reason, lambda folder, facts: write_files(
             plan, folder, save_id=save_id, durable=durable, threads=threads, ready=ready, file_mode=file_mode,
-            extra=facts, tag_files=True), durable=durable)
+            extra=facts, tag_files=True, progress=progress, before_commit=before_commit), durable=durable)
     else:
-        _commit_beside(plan, target, foreign or [], save_id=save_id, durable=durable, threads=threads, ready=ready)
+        _commit_beside(plan, target, foreign or [], save_id=save_id, durable=durable, threads=threads, ready=ready,
+                       progress=progress, before_commit=before_commit)
     log_save(target, plan, time.perf_counter() - started, in_place=reason)
     return target
 
 
 def _commit_beside(plan: SavePlan, target: Path, foreign: list[str], *, save_id: str, durable: bool, threads: int,
-                   ready: Any) -> None:
+                   ready: Any, progress: Any = None, before_commit: Any = None) -> None:
     """The usual commit: a staging folder beside ``target``, put in place in one step (see the module docs)."""
     clean_leftovers(target.parent)
     file_mode, folder = _existing(target)
@@ -269,7 +276,7 @@ def _commit_beside(plan: SavePlan, target: Path, foreign: list[str], *, save_id:
         staging.mkdir()
         _match_folder(staging, folder)
         write_files(plan, staging, save_id=save_id, durable=durable, threads=threads, ready=ready,
-                    file_mode=file_mode)
+                    file_mode=file_mode, progress=progress, before_commit=before_commit)
         _carry_foreign_entries(target, staging, foreign)
         if durable:
             fsync_dir(staging)

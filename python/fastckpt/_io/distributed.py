@@ -35,7 +35,8 @@ import torch.distributed as dist
 from fastckpt.errors import CheckpointError, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "is_distributed", "process_rank", "Session", "timeout_group", "check_timeout",
-           "gather_to_main", "broadcast_from_main", "on_main", "agree"]
+           "gather_to_main", "broadcast_from_main", "on_main", "agree", "side_group", "broadcast_outcome",
+           "describe"]
 
 #: seconds a process waits for the others at any step of a save or load (the ``timeout`` keyword's default)
 DEFAULT_TIMEOUT = 300.0
@@ -79,6 +80,35 @@ def timeout_group(timeout: float) -> Any:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def describe(exc: BaseException | None) -> str | None:
+    """``"TypeName: message"`` of ``exc``, or None: what :func:`broadcast_outcome` sends."""
+    return None if exc is None else _describe(exc)
+
+
+_SIDE_GROUP: Any = None
+
+
+def side_group() -> Any:
+    """A gloo process group of every rank for the outcome of async saves, which writer threads broadcast while
+    the main threads train on the default group. Made on first use, by every rank at the same call (a collective);
+    None with one process."""
+    global _SIDE_GROUP
+    if not is_distributed():
+        return None
+    if _SIDE_GROUP is None:
+        _SIDE_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT))
+    return _SIDE_GROUP
+
+
+def broadcast_outcome(message: str | None, group: Any) -> str | None:
+    """Rank 0's ``message`` (None: success) on every rank, over ``group`` (from :func:`side_group`)."""
+    if group is None:
+        return message
+    box = [message if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 class Session:

@@ -131,6 +131,15 @@ class HostBufferPool:
                 self._free.append(slot)
             self._cond.notify()
 
+    def release_buffers(self) -> int:
+        """Free the buffers of the free slots (the next :meth:`acquire` allocates again); returns the bytes freed."""
+        freed = 0
+        with self._cond:
+            for slot in self._free:
+                freed += slot.capacity
+                slot.buffer = None
+        return freed
+
     def _grow(self, slot: Slot, nbytes: int) -> None:
         slot.buffer = None  # free the old buffer before allocating the larger one
         try:

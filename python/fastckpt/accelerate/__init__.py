@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, agree, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
 from fastckpt._io.layout import (
@@ -130,7 +131,9 @@ def save_state(
     dtype: torch.dtype | None = None,
     share_unchanged: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
-) -> Path:
+    async_save: bool | str = False,
+    host_memory_budget: int | str | None = None,
+) -> Path | AsyncSave:
     """Save everything ``accelerator`` tracks (or only the model weights) to a checkpoint folder, crash-safely.
 
     Args:
@@ -155,9 +158,14 @@ def save_state(
             the previous checkpoint of ``project_dir`` when unchanged. Not with ``compat="accelerate"``.
         timeout: seconds each process waits for the others at any step before raising
             :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or only some called save_state).
+        async_save: as :func:`fastckpt.save_state`: ``True`` streams parameters and optimizer state in the
+            background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written),
+            ``"snapshot"`` copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
+            completes after the one atomic commit on the main process (and raises on every process if it failed).
+        host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True``).
 
     Returns:
-        The committed checkpoint folder (the same on every process).
+        The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``.
 
     Raises:
         ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``.
@@ -175,6 +183,11 @@ def save_state(
     timeout = check_timeout(timeout)
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
+    if async_save not in (False, True, "snapshot"):
+        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    if async_save and fsdp is not None:
+        raise ValueError("async_save does not apply to FSDP2 yet (its state is gathered or written through "
+                         "torch.distributed.checkpoint); save with async_save=False")
     if compat not in (None, "accelerate"):
         raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
     if fsdp == "SHARDED_STATE_DICT":
@@ -220,38 +233,56 @@ def save_state(
             rng = None if gathered is None else [({k: torch.from_numpy(a) for k, a in t.items()}, m)
                                                  for t, m in gathered]
 
-    def write() -> Path:
-        from fastckpt._io.commit import write_checkpoint
+    optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
+    plan_optimizers = full_optimizers if full_optimizers is not None else optimizers
+    after_commit: list = []  # share_unchanged: called with the folder once it is committed
+
+    def build() -> Any:
         from fastckpt._plan.accelerate_format import build_accelerate_plan
         from fastckpt.accelerate.tracked_objects import add_tracked_objects
 
-        optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
-        if full_optimizers is not None:
-            optimizers = full_optimizers
         if compat:
-            plan = build_accelerate_plan(unwrapped, optimizers, schedulers, model_only=model_only, step=step,
+            plan = build_accelerate_plan(unwrapped, plan_optimizers, schedulers, model_only=model_only, step=step,
                                          model_states=weights, rng_pickles=rng)
         else:
-            plan = build_save_plan(unwrapped, optimizers, schedulers, model_only=model_only, step=step,
+            plan = build_save_plan(unwrapped, plan_optimizers, schedulers, model_only=model_only, step=step,
                                    max_shard_size=None if share_unchanged else max_shard_size, model_states=weights,
                                    rng_states=rng, trainable_only=trainable_only,
                                    trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
         if not model_only:
             plan.counts["processes"] = len(rng or [])
             add_tracked_objects(plan, accelerator, compat=bool(compat))
-        after_commit = None
         if share_unchanged:
             from fastckpt._plan.share import plan_sharing, previous_checkpoint
 
-            after_commit = plan_sharing(plan, unwrapped, previous_checkpoint(_project_root(accelerator), target),
-                                        max_shard_size=max_shard_size, threads=threads)
-        write_checkpoint(plan, target, durable=durable, threads=threads)
-        if after_commit is not None:
-            after_commit(target)
+            after_commit.append(plan_sharing(plan, unwrapped, previous_checkpoint(_project_root(accelerator), target),
+                                             max_shard_size=max_shard_size, threads=threads))
+        return plan
+
+    def rotate() -> None:
+        for hook in after_commit:
+            if hook is not None:
+                hook(target)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
             rotate_checkpoints(_project_root(accelerator), limit, model_only=model_only)
+
+    def write() -> Path:
+        from fastckpt._io.commit import write_checkpoint
+
+        write_checkpoint(build(), target, durable=durable, threads=threads)
+        rotate()
         return target
+
+    if async_save:
+        from fastckpt.accelerate.async_save import save_async
+
+        handle = save_async(build, rotate, target, [] if model_only else optimizers, durable=durable,
+                            threads=threads, budget=host_memory_budget, mode=async_save)
+        if not model_only:
+            config = accelerator.project_configuration
+            config.iteration = number + 1 if number is not None else config.iteration + 1
+        return handle
 
     path = on_main(write, what=f"saving {target}", timeout=timeout)  # the outcome broadcast ends the save
     config = accelerator.project_configuration
@@ -333,6 +364,8 @@ def load_state(
     timeout = check_timeout(timeout)
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
                      timeout=timeout)
+    wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
+                      else _project_root(accelerator) / "checkpoints")
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)

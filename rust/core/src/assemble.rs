@@ -15,7 +15,7 @@ use crate::header::{self, TensorInfo};
 use crate::pool;
 use crate::source::check_name;
 use crate::sys;
-use crate::writer::{parent_dir, TempFile};
+use crate::temp_file::{parent_dir, TempFile};
 
 /// `len` bytes at `src_offset` of source file `src` fill bytes `[dst_offset, dst_offset + len)` of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

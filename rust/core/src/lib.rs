@@ -4,7 +4,9 @@
 //! - [`header`]: header bytes identical to safetensors 0.8, and full validation of read headers.
 //! - [`source`]: tensor sources (contiguous or strided) with bounds checks, gathered in logical order.
 //! - [`layout`]: a file planned before writing (order, offsets, chunks), and in-memory [`serialize`].
+//! - [`direct`]: durable writes through `O_DIRECT`, block-aligned chunks from aligned bounce buffers.
 //! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
+//! - [`progress`]: per-tensor progress of a write from live memory; the caller takes unwritten tensors over.
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
 //! - [`commit`]: put a staging folder in place atomically.
 //! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
@@ -19,14 +21,17 @@ pub mod checksum;
 pub mod commit;
 pub mod content_hash;
 pub mod convert;
+pub mod direct;
 pub mod dtype;
 pub mod error;
 pub mod header;
 pub mod layout;
 pub mod pool;
+pub mod progress;
 pub mod reader;
 pub mod source;
 mod sys;
+mod temp_file;
 pub mod writer;
 
 /// Default bytes per positional write or read: 8 MiB.
@@ -39,6 +44,7 @@ pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use header::{parse_file, Header, TensorInfo};
 pub use layout::{serialize, FileLayout};
+pub use progress::Progress;
 pub use reader::SafetensorsFile;
 pub use source::TensorSource;
 pub use writer::{write_file, write_files, FileJob, ReadyGate, WriteOptions, WriteStats};

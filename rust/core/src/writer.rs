@@ -4,22 +4,24 @@
 //! are summed (crc32c, per tensor piece) by the thread that writes them; see [`crate::checksum`].
 
 use std::collections::BTreeSet;
-use std::fs::{self, File, OpenOptions};
-use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::fs;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
 #[cfg(test)]
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
+use std::sync::{Arc, OnceLock};
 
 use crate::checksum::{self, FileChecksums, PieceCrc};
 use crate::content_hash;
+use crate::direct::{self, WorkerBuffers};
 use crate::error::{Error, IoContext, Result};
 use crate::layout::FileLayout;
 use crate::pool;
+use crate::progress::{PieceSource, Progress};
 use crate::source::TensorSource;
 use crate::sys;
+use crate::temp_file::{parent_dir, TempFile};
 
 /// How to write.
 #[derive(Debug, Clone)]
@@ -33,6 +35,12 @@ pub struct WriteOptions {
     /// Sources that are still being filled (a pinned buffer receiving device-to-host copies): each chunk first
     /// waits here for the memory it reads. `None`: every source is ready.
     pub ready: Option<ReadyGate>,
+    /// Per-tensor progress shared with the caller, who may take unwritten tensors over (see
+    /// [`crate::progress`]); tensors numbered in input order across the jobs. `None`: sources are never claimed.
+    pub progress: Option<Arc<Progress>>,
+    /// With `durable`: write through `O_DIRECT` in block-aligned chunks (see [`crate::direct`]) where the file
+    /// system allows it, bypassing the page cache; `false` always writes through the page cache.
+    pub direct_io: bool,
     /// Tests: every worker waits here after taking its first chunk (size it to the worker count).
     #[cfg(test)]
     pub(crate) start_barrier: Option<Arc<Barrier>>,
@@ -45,6 +53,8 @@ impl Default for WriteOptions {
             threads: 0,
             chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
             ready: None,
+            progress: None,
+            direct_io: true,
             #[cfg(test)]
             start_barrier: None,
         }
@@ -135,20 +145,33 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             )
         })
         .collect::<Result<Vec<_>>>()?;
+    let ids = crate::progress::progress_ids(jobs, &layouts, opts.progress.as_deref())?;
     let mut temps = Vec::with_capacity(jobs.len());
+    let mut directs = Vec::with_capacity(jobs.len());
     for (job, layout) in jobs.iter().zip(&layouts) {
         let temp = TempFile::create(&job.path)?;
         sys::preallocate(&temp.file, layout.file_size()).at(&temp.path, "preallocating")?;
-        temp.file
-            .write_all_at(&layout.header, 0)
-            .at(&temp.path, "writing the header")?;
+        let direct = (opts.durable && opts.direct_io)
+            .then(|| direct::open_direct(&temp.path))
+            .flatten();
+        if direct.is_none() {
+            temp.file
+                .write_all_at(&layout.header, 0)
+                .at(&temp.path, "writing the header")?;
+        }
         temps.push(temp);
+        directs.push(direct);
     }
+    let dchunk = direct::chunk_size(chunk);
     // Chunk k of the whole pass belongs to the file whose range of chunk numbers holds it.
     let mut first_chunk = Vec::with_capacity(jobs.len() + 1);
     first_chunk.push(0usize);
-    for l in &layouts {
-        first_chunk.push(first_chunk.last().copied().unwrap_or(0) + l.chunk_count(chunk));
+    for (l, d) in layouts.iter().zip(&directs) {
+        let n = match d {
+            Some(_) => direct::chunk_count(l, dchunk),
+            None => l.chunk_count(chunk),
+        };
+        first_chunk.push(first_chunk.last().copied().unwrap_or(0) + n);
     }
     let total_chunks = *first_chunk.last().unwrap_or(&0);
     let max_data = layouts.iter().map(|l| l.data_len).max().unwrap_or(0);
@@ -162,76 +185,162 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
     let barrier = opts.start_barrier.as_deref();
     #[cfg(not(test))]
     let barrier = None;
-    let report =
-        pool::run::<(Vec<u8>, Vec<u8>), _>(opts.threads, total_chunks, barrier, |state, k| {
-            let (buf, scratch) = (&mut state.0, &mut state.1);
-            let f = first_chunk.partition_point(|&c| c <= k) - 1;
-            let (layout, temp) = (&layouts[f], &temps[f]);
-            let range = layout.chunk_range(k - first_chunk[f], chunk);
-            let file_offset = layout.data_start() + range.start;
-            let pieces: Vec<_> = layout.pieces(range).collect();
-            if let Some(gate) = &opts.ready {
-                let spans: Vec<(usize, usize)> = pieces
-                    .iter()
-                    .filter_map(|p| {
-                        let bytes = layout.tensors[p.tensor].contiguous_bytes()?;
-                        Some((bytes[p.start as usize..].as_ptr() as usize, p.len))
-                    })
-                    .collect();
-                (gate.0)(&spans)?;
-            }
-            let gathered: usize = pieces
+    let report = pool::run::<WorkerBuffers, _>(opts.threads, total_chunks, barrier, |bufs, k| {
+        let f = first_chunk.partition_point(|&c| c <= k) - 1;
+        let (layout, temp) = (&layouts[f], &temps[f]);
+        let (file_range, header_part, range) = match &directs[f] {
+            Some(_) => direct::chunk_parts(layout, k - first_chunk[f], dchunk),
+            None => (0..0, 0..0, layout.chunk_range(k - first_chunk[f], chunk)),
+        };
+        let file_offset = layout.data_start() + range.start;
+        let pieces: Vec<_> = layout.pieces(range).collect();
+        if let Some(gate) = &opts.ready {
+            let spans: Vec<(usize, usize)> = pieces
                 .iter()
-                .filter(|p| layout.tensors[p.tensor].contiguous_bytes().is_none())
-                .map(|p| p.len)
-                .sum();
-            if gathered > 0 && buf.is_empty() {
-                *buf = vec![0u8; buffer_len];
-                buffers.fetch_add(1, Ordering::Relaxed);
-                buffer_bytes.fetch_add(buffer_len as u64, Ordering::Relaxed);
-            }
-            let mut at = 0;
-            for p in pieces.iter() {
-                let t = &layout.tensors[p.tensor];
-                if t.contiguous_bytes().is_none() {
-                    t.gather(p.start, &mut buf[at..at + p.len]);
-                    at += p.len;
-                }
-            }
-            let mut at = 0;
-            let parts: Vec<&[u8]> = pieces
-                .iter()
-                .map(|p| match layout.tensors[p.tensor].contiguous_bytes() {
-                    Some(bytes) => &bytes[p.start as usize..p.start as usize + p.len],
-                    None => {
-                        at += p.len;
-                        &buf[at - p.len..at]
-                    }
+                .filter_map(|p| {
+                    let bytes = layout.tensors[p.tensor].contiguous_bytes()?;
+                    Some((bytes[p.start as usize..].as_ptr() as usize, p.len))
                 })
                 .collect();
-            let sums = pieces.iter().zip(&parts).map(|(p, bytes)| PieceCrc {
-                tensor: Some(p.tensor),
-                crc: checksum::crc32c_append(0, bytes),
-                len: p.len as u64,
-            });
-            crcs[k].set(sums.collect()).expect("each chunk once");
-            let blocks = pieces
-                .iter()
-                .zip(&parts)
-                .flat_map(|(p, bytes)| piece_blocks(&layout.tensors[p.tensor], p, bytes, scratch));
-            hashes[k].set(blocks.collect()).expect("each chunk once");
-            sys::write_all_vectored_at(&temp.file, &parts, file_offset).at(
+            (gate.0)(&spans)?;
+        }
+        let (guard, from) = match &opts.progress {
+            Some(progress) => {
+                let taken: Vec<(usize, u64)> = pieces
+                    .iter()
+                    .map(|p| (ids[f][p.tensor], p.len as u64))
+                    .collect();
+                let (guard, from) = progress.begin(&taken)?;
+                (Some(guard), from)
+            }
+            None => (None, pieces.iter().map(|_| PieceSource::Live).collect()),
+        };
+        // A piece is read in place (live contiguous memory or the caller's copy) or gathered into `buf`.
+        let direct = |i: usize| -> Option<&[u8]> {
+            let p = &pieces[i];
+            let start = p.start as usize;
+            match &from[i] {
+                PieceSource::Copy(c) => Some(&(**c).as_ref()[start..start + p.len]),
+                PieceSource::Live => layout.tensors[p.tensor]
+                    .contiguous_bytes()
+                    .map(|b| &b[start..start + p.len]),
+            }
+        };
+        // The whole tensor a claimed piece is read from (the caller's copy), for content-hash blocks that run past
+        // the piece; `None`: the live source, read while this chunk still holds its claim (see `piece_blocks`).
+        let whole = |i: usize| -> Option<&[u8]> {
+            match &from[i] {
+                PieceSource::Copy(c) => Some((**c).as_ref()),
+                PieceSource::Live => None,
+            }
+        };
+        let mut scratch = std::mem::take(&mut bufs.scratch);
+        if let Some(dfile) = &directs[f] {
+            let len = (file_range.end - file_range.start) as usize;
+            let (bounce, fresh) = bufs.bounce(dchunk as usize);
+            if fresh {
+                buffers.fetch_add(1, Ordering::Relaxed);
+                buffer_bytes.fetch_add(dchunk, Ordering::Relaxed);
+            }
+            let mut at = header_part.len();
+            bounce[..at].copy_from_slice(&layout.header[header_part.clone()]);
+            let mut sums = Vec::with_capacity(pieces.len());
+            let mut blocks = Vec::new();
+            for (i, p) in pieces.iter().enumerate() {
+                let out = &mut bounce[at..at + p.len];
+                match direct(i) {
+                    Some(bytes) => out.copy_from_slice(bytes),
+                    None => layout.tensors[p.tensor].gather(p.start, out),
+                }
+                sums.push(PieceCrc {
+                    tensor: Some(p.tensor),
+                    crc: checksum::crc32c_append(0, out),
+                    len: p.len as u64,
+                });
+                blocks.extend(piece_blocks(
+                    &layout.tensors[p.tensor],
+                    p,
+                    out,
+                    whole(i),
+                    &mut scratch,
+                ));
+                at += p.len;
+            }
+            hashes[k].set(blocks).expect("each chunk once");
+            let padded = direct::padded(len);
+            bounce[len..padded].fill(0);
+            if let Some(guard) = guard {
+                guard.finish(); // the bytes are in the bounce buffer: the live memory is free again
+            }
+            crcs[k].set(sums).expect("each chunk once");
+            let written = direct::write_chunk(dfile, &bounce[..padded], file_range.start).at(
                 &temp.path,
                 &format!(
-                    "writing {} bytes at offset {file_offset}",
-                    range_len(&parts)
+                    "writing {len} bytes (O_DIRECT) at offset {}",
+                    file_range.start
                 ),
-            )?;
-            if opts.durable {
-                sys::start_writeback(&temp.file, file_offset, range_len(&parts) as u64);
+            );
+            bufs.scratch = scratch;
+            return written;
+        }
+        let buf = &mut bufs.gather;
+        let gathered: usize = (0..pieces.len())
+            .filter(|&i| direct(i).is_none())
+            .map(|i| pieces[i].len)
+            .sum();
+        if gathered > 0 && buf.is_empty() {
+            *buf = vec![0u8; buffer_len];
+            buffers.fetch_add(1, Ordering::Relaxed);
+            buffer_bytes.fetch_add(buffer_len as u64, Ordering::Relaxed);
+        }
+        let mut at = 0;
+        for (i, p) in pieces.iter().enumerate() {
+            if direct(i).is_none() {
+                layout.tensors[p.tensor].gather(p.start, &mut buf[at..at + p.len]);
+                at += p.len;
             }
-            Ok(())
-        })?;
+        }
+        let mut at = 0;
+        let parts: Vec<&[u8]> = (0..pieces.len())
+            .map(|i| match direct(i) {
+                Some(bytes) => bytes,
+                None => {
+                    at += pieces[i].len;
+                    &buf[at - pieces[i].len..at]
+                }
+            })
+            .collect();
+        let sums = pieces.iter().zip(&parts).map(|(p, bytes)| PieceCrc {
+            tensor: Some(p.tensor),
+            crc: checksum::crc32c_append(0, bytes),
+            len: p.len as u64,
+        });
+        crcs[k].set(sums.collect()).expect("each chunk once");
+        let blocks = pieces
+            .iter()
+            .zip(&parts)
+            .enumerate()
+            .flat_map(|(i, (p, bytes))| {
+                piece_blocks(&layout.tensors[p.tensor], p, bytes, whole(i), &mut scratch)
+            })
+            .collect();
+        hashes[k].set(blocks).expect("each chunk once");
+        bufs.scratch = scratch;
+        sys::write_all_vectored_at(&temp.file, &parts, file_offset).at(
+            &temp.path,
+            &format!(
+                "writing {} bytes at offset {file_offset}",
+                range_len(&parts)
+            ),
+        )?;
+        if let Some(guard) = guard {
+            guard.finish();
+        }
+        if opts.durable {
+            sys::start_writeback(&temp.file, file_offset, range_len(&parts) as u64);
+        }
+        Ok(())
+    })?;
     let mut crcs = crcs.into_iter().map(|c| c.into_inner().unwrap_or_default());
     let mut hashes = hashes
         .into_iter()
@@ -272,6 +381,14 @@ pub fn write_files(jobs: &[FileJob<'_>], opts: &WriteOptions) -> Result<WriteSta
             sums
         })
         .collect();
+    for ((temp, layout), d) in temps.iter().zip(&layouts).zip(&directs) {
+        if d.is_some() {
+            // the last direct write was padded to a whole block
+            temp.file
+                .set_len(layout.file_size())
+                .at(&temp.path, "cutting the file to its size")?;
+        }
+    }
     if opts.durable {
         pool::run::<(), _>(opts.threads, temps.len(), None, |_, i| {
             temps[i].file.sync_all().at(&temps[i].path, "fsyncing")
@@ -307,11 +424,14 @@ struct BlockHash {
 }
 
 /// Hash the blocks that start inside piece `p` (whose bytes, in the file's dtype, are `bytes`); a block that runs
-/// past the piece is read whole from the source (gathered into `scratch` when not contiguous).
+/// past the piece is read whole from `whole` (the caller's copy of the tensor the piece was written from) or else
+/// from the source (gathered into `scratch` when not contiguous). The caller still holds its claim on the piece
+/// (see [`crate::progress`]), so a live source cannot be taken over and changed meanwhile.
 fn piece_blocks(
     src: &crate::source::CheckedSource<'_>,
     p: &crate::layout::Piece,
     bytes: &[u8],
+    whole: Option<&[u8]>,
     scratch: &mut Vec<u8>,
 ) -> Vec<BlockHash> {
     let (start, end) = (p.start, p.start + p.len as u64);
@@ -321,6 +441,8 @@ fn piece_blocks(
             let (b0, b1) = (b * block, ((b + 1) * block).min(src.nbytes));
             let hash = if b1 <= end {
                 content_hash::block_hash(&bytes[(b0 - start) as usize..(b1 - start) as usize])
+            } else if let Some(all) = whole {
+                content_hash::block_hash(&all[b0 as usize..b1 as usize])
             } else {
                 content_hash::source_block(src, b, scratch)
             };
@@ -335,75 +457,6 @@ fn piece_blocks(
 
 fn range_len(parts: &[&[u8]]) -> usize {
     parts.iter().map(|p| p.len()).sum()
-}
-
-/// The folder holding `path` (`.` for a bare file name).
-pub(crate) fn parent_dir(path: &Path) -> PathBuf {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
-
-/// A temp file beside its target, removed on drop unless committed.
-pub(crate) struct TempFile {
-    pub(crate) path: PathBuf,
-    pub(crate) file: File,
-    pub(crate) committed: bool,
-}
-
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-impl TempFile {
-    /// Create `.<target name>.<pid>.<n>.tmp` beside `target` with mode 0o666 & ~umask, or the target's mode
-    /// when it already exists.
-    pub(crate) fn create(target: &Path) -> Result<TempFile> {
-        let name = target.file_name().ok_or_else(|| {
-            Error::InvalidArgument(format!("{}: not a file path", target.display()))
-        })?;
-        let dir = parent_dir(target);
-        let existing_mode = match fs::metadata(target) {
-            Ok(m) => Some(m.permissions().mode() & 0o7777),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io(target, "reading the existing file's mode", e)),
-        };
-        loop {
-            let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-            let mut temp_name = std::ffi::OsString::from(".");
-            temp_name.push(name);
-            temp_name.push(format!(".{}.{n}.tmp", std::process::id()));
-            let path = dir.join(temp_name);
-            let opened = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o666)
-                .open(&path);
-            let file = match opened {
-                Ok(f) => f,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(Error::io(&path, "creating the temp file", e)),
-            };
-            let temp = TempFile {
-                path,
-                file,
-                committed: false,
-            };
-            if let Some(mode) = existing_mode {
-                temp.file
-                    .set_permissions(fs::Permissions::from_mode(mode))
-                    .at(&temp.path, "copying the existing file's mode to")?;
-            }
-            return Ok(temp);
-        }
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = fs::remove_file(&self.path);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,12 +1,13 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
-//! parse_header), commit, integrity (checksum_files, crc32c), assemble (write_assembled).
+//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c), assemble (write_assembled).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod assemble;
 mod commit;
 mod errors;
 mod integrity;
+mod progress;
 mod read;
 mod write;
 
@@ -21,6 +22,8 @@ mod _core {
     use super::commit::commit_dir;
     #[pymodule_export]
     use super::integrity::{checksum_files, crc32c, hash_files};
+    #[pymodule_export]
+    use super::progress::WriteProgress;
     #[pymodule_export]
     use super::read::{parse_header, SafetensorsFile};
     #[pymodule_export]

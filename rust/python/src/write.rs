@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::to_py;
+use crate::progress::WriteProgress;
 
 /// `(name, dtype, shape, buffer, byte_offset, byte_strides)` as Python passes it.
 type SourceTuple<'py> = (
@@ -238,10 +239,11 @@ pub fn write_files(
     Ok(stats.file_sizes)
 }
 
-/// `write_files`, also returning each file's crc32c checksums, summed while the bytes were written.
+/// `write_files`, also returning each file's crc32c checksums, summed while the bytes were written; with
+/// `progress`, the writer reports each tensor's progress there and writes tensors taken over from their copies.
 /// See `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608, ready = None))]
+#[pyo3(signature = (jobs, *, durable = true, threads = 0, chunk_bytes = 8_388_608, ready = None, progress = None))]
 pub fn write_files_checked(
     py: Python<'_>,
     jobs: &Bound<'_, PyAny>,
@@ -249,10 +251,13 @@ pub fn write_files_checked(
     threads: usize,
     chunk_bytes: u64,
     ready: Option<Py<PyAny>>,
+    progress: Option<PyRef<'_, WriteProgress>>,
 ) -> PyResult<Vec<FileDigest>> {
-    let stats = with_gate(options(durable, threads, chunk_bytes), ready, |o| {
-        run_write_files(py, jobs, o)
-    })?;
+    let opts = WriteOptions {
+        progress: progress.map(|p| p.inner.clone()),
+        ..options(durable, threads, chunk_bytes)
+    };
+    let stats = with_gate(opts, ready, |o| run_write_files(py, jobs, o))?;
     Ok(stats
         .checksums
         .into_iter()
