@@ -18,6 +18,7 @@ fn whole(
         data,
         byte_offset: 0,
         byte_strides: None,
+        convert_to: None,
     };
     serialize(&[s], meta, 1).unwrap()
 }

@@ -19,6 +19,7 @@ fn src<'a>(
         data,
         byte_offset: 0,
         byte_strides: strides,
+        convert_to: None,
     }
 }
 

@@ -18,6 +18,7 @@ fn src<'a>(name: &str, data: &'a [u8], strides: Option<Vec<u64>>) -> TensorSourc
         data,
         byte_offset: 0,
         byte_strides: strides,
+        convert_to: None,
     }
 }
 
