@@ -303,3 +303,46 @@ def test_cuda_checkpoint_holds_the_values_at_the_call(tmp_path):
     fresh_opts = _adam(fresh)
     fastckpt.load_state(fresh, fresh_opts, input_dir=tmp_path / "c")
     _assert_same({k: v.cpu() for k, v in _everything(fresh, fresh_opts).items()}, expected)
+
+
+class Wide(nn.Module):
+    """A 9 MB weight: it spans two 8 MiB write chunks, so a 256 KiB content-hash block runs across a chunk end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(1500, 1500)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x)
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["racing", "taken-over"])
+@pytest.mark.parametrize("durable", [False, True], ids=["buffered", "durable"])
+def test_checksums_and_content_hashes_match_the_bytes_written_while_steps_run(tmp_path, request, hold, durable):
+    # the writer hashes blocks that run past its chunk from the source it reads; once a step has taken a tensor
+    # over, that source is the copy, so the recorded xxh3-128 must still be the hash of the bytes in the file
+    go = request.getfixturevalue("held_writer") if hold else None
+    torch.manual_seed(0)
+    model = Wide()
+    opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+
+    def step(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(4, 1500, generator=g)).square().mean().backward()
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+
+    step(1)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    handle = fastckpt.save_state(model, opts, output_dir=tmp_path / "c", async_save=True, durable=durable)
+    for seed in (2, 3):
+        step(seed)
+    if go is not None:
+        go.set()
+    handle.wait()
+    report = fastckpt.verify_checkpoint(tmp_path / "c")  # crc32c and xxh3-128 of every tensor, from the files
+    assert report.problems == [] and report.hashes_checked >= 4  # w.weight, w.bias, exp_avg / exp_avg_sq ...
+    loaded = Wide()
+    fastckpt.load_state(loaded, input_dir=tmp_path / "c", model_only=True)
+    for k, v in expected.items():
+        assert torch.equal(loaded.state_dict()[k], v), k
