@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +56,27 @@ def new_accelerator():
     from helpers.accelerate_state import accelerator_factory
 
     yield from accelerator_factory()
+
+
+@pytest.fixture
+def held_writer(monkeypatch):
+    """Make async saves' background write wait until the test sets the returned event (the caller has moved on);
+    afterwards every save in flight is waited for (a failed one, which the test expected, is not raised again)."""
+    import fastckpt.checkpoint as checkpoint_module
+    from fastckpt._io import async_writer
+    from fastckpt.errors import CheckpointError
+
+    go = threading.Event()
+    real = checkpoint_module.write_checkpoint
+
+    def gated(*args, **kwargs):
+        assert go.wait(60), "the test never released the writer"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", gated)
+    yield go
+    go.set()
+    try:
+        async_writer.default_saver().wait_all()
+    except CheckpointError:
+        pass

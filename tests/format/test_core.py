@@ -6,8 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import struct
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import torch
 from helpers.common import (
     OFFICIAL_BYTES_LOADER_MISSES,
     SHARED_DTYPES,
+    assert_calls_overlap,
     dtype_id,
     random_tensor,
     split_file,
@@ -444,25 +443,9 @@ def test_json_order_is_free_and_zero_size_tensors_pack(tmp_path):
 
 def test_write_file_releases_the_gil(tmp_path):
     payload = np.full(200 << 20, 7, np.uint8)
-    barrier = threading.Barrier(2)
-    windows: dict[int, tuple[float, float]] = {}
-
-    def work(i: int) -> None:
-        src = [("x", "U8", [payload.size], payload, 0, None)]
-        barrier.wait()
-        start = time.perf_counter()
-        _core.write_file(tmp_path / f"{i}.safetensors", src, None, durable=False, threads=1)
-        windows[i] = (start, time.perf_counter())
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    (s0, e0), (s1, e1) = windows[0], windows[1]
-    overlap = min(e0, e1) - max(s0, s1)
-    # With the GIL held the two calls would run one after the other (overlap <= 0 up to a switch interval).
-    assert overlap > 0.5 * min(e0 - s0, e1 - s1), windows
+    src = [("x", "U8", [payload.size], payload, 0, None)]
+    assert_calls_overlap(lambda i: _core.write_file(tmp_path / f"{i}.safetensors", src, None, durable=False,
+                                                    threads=1))
     for i in range(2):
         entries = _core.SafetensorsFile(tmp_path / f"{i}.safetensors").tensors()
         assert entries == [("x", "U8", [200 << 20], 0, 200 << 20)]

@@ -299,3 +299,28 @@ def file_modes(folder) -> dict[str, int]:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def assert_calls_overlap(call) -> None:
+    """Run ``call(i)`` on two threads started together (a Barrier) and assert their time windows overlap by more
+    than half the shorter one: with the GIL held the two calls would run one after the other (the GIL-release
+    proof safetensors' own suite uses)."""
+    import threading
+    import time
+
+    barrier = threading.Barrier(2)
+    windows: dict[int, tuple[float, float]] = {}
+
+    def work(i: int) -> None:
+        barrier.wait()
+        start = time.perf_counter()
+        call(i)
+        windows[i] = (start, time.perf_counter())
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (s0, e0), (s1, e1) = windows[0], windows[1]
+    assert min(e0, e1) - max(s0, s1) > 0.5 * min(e0 - s0, e1 - s1), windows

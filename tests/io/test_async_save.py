@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 import fastckpt
-import fastckpt.checkpoint as checkpoint_module
 from fastckpt._io import async_writer as _async
 from fastckpt._io.async_writer import AsyncSave
 from fastckpt._io.host_pool import HostBufferPool
@@ -51,20 +50,6 @@ def _assert_loaded_equals(path, weights: dict, moments: dict, seed: int = 99) ->
             assert torch.equal(v, moments[(i, k)]), (i, k)
 
 
-@pytest.fixture
-def held_writer(monkeypatch):
-    """Make the background write wait until the test sets the returned event (the caller has moved on)."""
-    go = threading.Event()
-    real = checkpoint_module.write_checkpoint
-
-    def gated(*args, **kwargs):
-        assert go.wait(60), "the test never released the writer"
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_module, "write_checkpoint", gated)
-    yield go
-    go.set()
-    _async.default_saver().wait_all()
 
 
 def test_checkpoint_holds_the_values_at_the_call_while_training_goes_on(tmp_path, held_writer):

@@ -21,7 +21,7 @@ import torch
 
 from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
-from fastckpt._io.distributed import Session, timeout_group
+from fastckpt._io.distributed import Session
 from fastckpt._io.layout import part_name, random_states_name, read_manifest
 from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
 from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
@@ -77,19 +77,10 @@ class ShardedLoad:
 
 def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    from fastckpt._plan.sharded_save import original_error
+    from fastckpt._plan.sharded_save import run_dcp
 
-    try:
-        if session.active:
-            dcp.load(dest, storage_reader=reader, process_group=timeout_group(session.timeout))
-        else:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(dest, storage_reader=reader, no_dist=True)
-    except CheckpointException as exc:
-        raise original_error(exc) from exc
+    run_dcp(dcp.load, dest, session, storage_reader=reader)
 
 
 def _read_json(folder: Path, name: str, what: str) -> Any:

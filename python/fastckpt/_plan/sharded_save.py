@@ -98,24 +98,31 @@ def original_error(exc: BaseException) -> BaseException:
     return wrapped[0] if isinstance(wrapped, tuple) else wrapped
 
 
+def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
+    """``dcp.save`` / ``dcp.load`` of ``state`` on every process (over a gloo group with the session's timeout),
+    or in this process alone without a process group; a rank's own error is raised, not DCP's wrapper."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        if session.active:
+            call(state, process_group=timeout_group(session.timeout), **storage)
+        else:
+            with warnings.catch_warnings():  # "assuming the intent is to save/load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                call(state, no_dist=True, **storage)
+    except CheckpointException as exc:
+        raise original_error(exc) from exc
+
+
 def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], staging: Path, writer_factory: WriterFactory,
               durable: bool, threads: int, session: Session) -> dict[str, Any]:
     """DCP-save every part into ``staging/{part}``; returns the written files (coordinator) as ``part/name``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     files: dict[str, Any] = {}
     for sub, state in parts.items():
         writer = writer_factory(staging / sub, durable, threads)
-        try:
-            if session.active:
-                dcp.save(state, storage_writer=writer, process_group=timeout_group(session.timeout))
-            else:
-                with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.save(state, storage_writer=writer, no_dist=True)
-        except CheckpointException as exc:
-            raise original_error(exc) from exc
+        run_dcp(dcp.save, state, session, storage_writer=writer)
         files.update({f"{sub}/{name}": entry for name, entry in (getattr(writer, "files", None) or {}).items()})
     return files
 
