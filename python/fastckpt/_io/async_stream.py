@@ -264,6 +264,26 @@ class StreamingSave:
                 )
             d.safe = True
 
+    def _check_written(self, tensors: list[_Deferred], checksums: dict[str, Any]) -> None:
+        from fastckpt import _core
+        from fastckpt._io.integrity import crc_hex
+
+        for d in tensors:
+            file, _, name = d.name.partition(":")
+            recorded = checksums.get(file, {}).get("tensors", {}).get(name)
+            if recorded is None:
+                continue
+            live = d.tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            now = crc_hex(_core.crc32c(live))
+            if now != recorded:
+                raise ConcurrentModificationError(
+                    f"async save to {self.target}: tensor {d.name!r} was being changed in place while it was written "
+                    f"(crc32c of the bytes written {recorded}, of the tensor now {now}): an in-place change outside "
+                    "optimizer.step() cannot be saved consistently while the save runs. Call handle.wait() before "
+                    "changing it, or pass async_save='snapshot'. Nothing was committed; the previous checkpoint at "
+                    f"{self.target} (if any) is intact."
+                )
+
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
@@ -272,13 +292,22 @@ class StreamingSave:
 
     # -- the writer thread -------------------------------------------------------------------------------------
 
-    def before_commit(self) -> None:
+    def before_commit(self, checksums: dict[str, Any] | None = None) -> None:
         """Writer thread, once every file is written: check the tensors no step made safe; raise the first
-        failure (then nothing is committed)."""
+        failure (then nothing is committed).
+
+        A tensor's version counter moves only once an in-place op has finished, and torch runs ops without the GIL,
+        so an op still running while the writer read the tensor is not seen by the counter alone. So each such
+        tensor, read from live memory, is also summed again here (crc32c) and compared with the crc32c of the
+        bytes written (``checksums``: the manifest's fields per file); steps wait meanwhile (the lock).
+        """
         with self._lock:
             if self._error is None:
                 try:
-                    self._check([d for d in self.deferred if not d.safe])
+                    unsafe = [d for d in self.deferred if not d.safe]
+                    self._check(unsafe)
+                    if checksums is not None:
+                        self._check_written(unsafe, checksums)
                 except ConcurrentModificationError as exc:
                     self._error = exc
             for d in self.deferred:

@@ -215,7 +215,7 @@ def write_files(plan: SavePlan, folder: Path, *, save_id: str, durable: bool, th
         files[name] = write_text(folder / name, data, durable)
         checksums[name] = text_entry(data)
     if before_commit is not None:  # e.g. an async save's last checks; raising here commits nothing
-        before_commit()
+        before_commit(checksums)
     facts = {**plan.counts, **({"save_id": save_id} if tag_files else {}), **(extra or {})}
     manifest = manifest_dict(plan.mode, files, facts, plan.step, checksums=checksums)
     write_text(folder / MANIFEST, json.dumps(manifest, indent=2), durable)
@@ -233,8 +233,9 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
     source memory it reads, returns once those bytes are final (CUDA staging: :meth:`fastckpt._io.snapshot.Snapshot.
     ready`), so chunk k is written while chunk k+1 is still being copied from the device.
     ``progress`` (optional): a ``fastckpt._core.WriteProgress`` over the plan's tensors, in part order (streaming
-    async saves, :mod:`fastckpt._io.async_stream`). ``before_commit`` (optional): called once every file is
-    written, before the manifest; if it raises, nothing is committed.
+    async saves, :mod:`fastckpt._io.async_stream`). ``before_commit`` (optional): ``before_commit(checksums)``
+    with ``{file name: its manifest checksum fields}``, called once every file is written, before the manifest;
+    if it raises, nothing is committed.
 
     A target that is a mount point, sits in a folder this process cannot write, or holds many files of the user's
     is committed inside itself instead (:mod:`fastckpt._io.in_place`); that is decided before anything is written.
