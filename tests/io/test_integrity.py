@@ -198,7 +198,7 @@ def test_cli_verify_file_and_not_a_checkpoint(good, tmp_path, capsys):
     assert cli(["verify", str(ckpt / "model.safetensors")]) == 0  # checked against the manifest beside it
     out = capsys.readouterr().out
     data = (ckpt / "model.safetensors").read_bytes()
-    assert f"{ckpt / 'model.safetensors'}: intact: 1 files, 9 tensors, {len(data):,} bytes checked" in out
+    assert f"{ckpt / 'model.safetensors'}: intact: 1 files, 9 tensors (9 with xxh3-128 content hashes), {len(data):,} bytes checked" in out
     lone = tmp_path / "lone" / "model.safetensors"  # a file with no manifest beside it
     lone.parent.mkdir()
     lone.write_bytes(data)
