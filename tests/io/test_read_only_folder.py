@@ -1,12 +1,13 @@
 """A checkpoint folder made read-only (mode 0555, its parent writable) by a user without privileges: a save over
 it writes every file into a writable staging folder, gives it the folder's mode just before the commit, and
-leaves nothing behind; a staging folder a dead save left with that read-only mode is removed by the next save.
+leaves nothing behind (nor when the commit fails: the old checkpoint stays); a staging folder a dead save left with that read-only mode is removed by the next save.
 
 Tests run as root, which ignores file modes, so the saves run in a worker that drops to ``nobody``.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers.crash_worker import build_state
-from helpers.procs import finish, owned_leftovers, start_worker, which_state
+from helpers.procs import finish, owned_leftovers, requires_strace, start_worker, strace_prefix, which_state
 
 import fastckpt
 
@@ -82,3 +83,21 @@ def test_a_read_only_leftover_of_a_dead_save_is_removed(parent):
     _save_as_nobody(ckpt)
     assert which_state(ckpt, MB, SEEDS) == "new"
     _assert_only(parent, ["ckpt"])
+
+
+@requires_strace
+def test_a_failed_save_over_a_read_only_folder_leaves_it_intact(parent):
+    """The commit fails (EIO injected into renameat2) after the staging folder took mode 0555: it is removed all
+    the same, the error names the folder and the old checkpoint stays, read-only."""
+    ckpt = parent / "ckpt"
+    ckpt.chmod(0o555)
+    proc = start_worker(SEEDS["new"], MB, ckpt, "--as-user", str(NOBODY),
+                        strace=strace_prefix("renameat2", "error=EIO:when=1"))
+    rc, out, err = finish(proc)
+    assert rc == 3, (rc, out, err)
+    kind, code, message = out[-1].split(" ", 3)[1:]
+    assert (kind, int(code)) == ("OSError", errno.EIO), out
+    assert str(parent) in message, message
+    _assert_only(parent, ["ckpt"])
+    assert which_state(ckpt, MB, SEEDS) == "old"
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o555
