@@ -401,7 +401,7 @@ def read_optimizer_state(
             f"{uncovered}; load with strict=False to start them fresh"
         )
     index_of = {fqn: i for i, fqn in enumerate(live)}
-    groups = []
+    groups: list[dict[str, Any]] = []
     position = 0
     for live_group in optimizer.param_groups:
         n = len(live_group["params"])
