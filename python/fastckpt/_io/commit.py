@@ -6,8 +6,9 @@
    which also returns crc32c checksums per file and per tensor, summed while writing), then the JSON files are
    written; each file is fsynced when ``durable``.
 3. The manifest ``fastckpt.json`` (sizes and checksums, see :mod:`fastckpt._io.integrity`) is written last; file modes are
-   copied from a checkpoint being replaced (case C13), and the staging folder takes the replaced folder's group,
-   mode and setgid bit before any file is made in it (a shared group folder stays shared); files the user keeps in
+   copied from a checkpoint being replaced (case C13), and the staging folder takes the replaced folder's group
+   and setgid bit before any file is made in it (a shared group folder stays shared) and its mode just before the
+   commit (a read-only 0555 folder can be saved over); files the user keeps in
    the target folder are hard-linked into the staging folder.
 4. ``_core.commit_dir`` puts the staging folder in place in one step (rename, or ``RENAME_EXCHANGE`` over an older
    folder, retried when another process commits the same target at once) and fsyncs the parent. On any error the
@@ -105,7 +106,19 @@ def _match_folder(staging: Path, folder: os.stat_result | None) -> None:
             os.chown(staging, -1, folder.st_gid)
     except OSError:
         pass  # not a member of that group
-    os.chmod(staging, folder.st_mode & 0o7777)
+    # the setgid bit now (new files take the folder's group), the folder's own mode only at the commit
+    # (:func:`_final_mode`): a read-only 0555 checkpoint folder must not refuse the files of its own save
+    os.chmod(staging, (folder.st_mode & 0o7777) | 0o700)
+
+
+def _final_mode(staging: Path, folder: os.stat_result | None) -> None:
+    """Give ``staging`` the mode of the folder it replaces, once every file is in it (just before the commit)."""
+    if folder is None:
+        return
+    try:
+        os.chmod(staging, folder.st_mode & 0o7777)
+    except OSError as exc:
+        raise _naming(exc, staging, f"giving the staging folder the mode {folder.st_mode & 0o7777:o}") from None
 
 
 def _is_layout_name(name: str) -> bool:
@@ -279,6 +292,7 @@ def _commit_beside(plan: SavePlan, target: Path, foreign: list[str], *, save_id:
         write_files(plan, staging, save_id=save_id, durable=durable, threads=threads, ready=ready,
                     file_mode=file_mode, progress=progress, before_commit=before_commit)
         _carry_foreign_entries(target, staging, foreign)
+        _final_mode(staging, folder)
         if durable:
             fsync_dir(staging)
         _core.commit_dir(str(staging), str(target), durable=durable)

@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -132,10 +133,27 @@ def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
+def _writable(path: Path) -> None:
+    """Give the folder ``path`` and the folders in it owner write and search permission, so that a tree whose
+    folders are read-only (a staging folder that took a 0555 checkpoint's mode) can be removed."""
+    for root, dirs, _files in os.walk(path):
+        for d in [root, *(os.path.join(root, n) for n in dirs)]:
+            try:
+                st = os.lstat(d)
+                if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
+                    os.chmod(d, st.st_mode | 0o700)
+            except OSError:
+                pass  # not ours: rmtree reports it
+
+
 def _remove(path: Path) -> None:
     try:
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            try:
+                shutil.rmtree(path)
+            except PermissionError:
+                _writable(path)
+                shutil.rmtree(path)
         else:
             path.unlink()
     except FileNotFoundError:

@@ -23,7 +23,7 @@ import torch
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._state.key_match import canonical_fqn
-from fastckpt.errors import HeaderError, KeyMismatchError, ShapeMismatchError
+from fastckpt.errors import DtypeError, HeaderError, KeyMismatchError, ShapeMismatchError
 
 __all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
 
@@ -197,6 +197,86 @@ def _load_json(metadata: dict[str, str], key: str, path: str) -> Any:
     return value
 
 
+#: State that torch's optimizers keep shaped like the parameter (Adam, AdamW, SGD, RMSprop, Adadelta, Adagrad...).
+PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                "acc_delta", "sum"})
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def _same_shape(name: str, got: list[int], want: list[int]) -> bool:
+    one = len(got) <= 1 and len(want) <= 1 and got in ([], [1]) and want in ([], [1])
+    return got == want or (name == "step" and one)  # ``step``: 0-d or 1 element, as the optimizer's variant keeps it
+
+
+def _check_state_tensor(key: str, name: str, saved: torch.Tensor, param: Any, live: Any, path: str,
+                        label: str) -> None:
+    """A saved state tensor must fit the live optimizer: the shape and dtype of the tensor of that name the live
+    optimizer already keeps for the parameter; else, for the state torch keeps shaped like the parameter
+    (:data:`PARAM_SHAPED_STATE`), its shape and kind of dtype (floating, integer, bool, complex). Other state
+    (Adafactor's row/col factors, LBFGS's flat directions) is not of the parameter's shape and is not compared.
+
+    Raises:
+        ShapeMismatchError / DtypeError: names the file, the tensor and both shapes / dtypes.
+    """
+    got, kind = list(saved.shape), _dtype_kind(saved.dtype)
+    if isinstance(live, torch.Tensor) and not live.is_sparse:
+        want, wanted_dtype, what = list(live.shape), live.dtype, f"the live {label}'s {name!r} state"
+        dtype_ok = saved.dtype == live.dtype
+    elif name in PARAM_SHAPED_STATE and isinstance(param, torch.Tensor):
+        want, wanted_dtype, what = list(param.shape), param.dtype, "the parameter"
+        dtype_ok = kind == _dtype_kind(param.dtype)
+    else:
+        return
+    if not _same_shape(name, got, want):
+        raise ShapeMismatchError(f"{path}: optimizer state {key!r} has shape {got} but {what} has shape {want}; "
+                                 "its next step() would fail. Nothing was changed.")
+    if not dtype_ok:
+        raise DtypeError(f"{path}: optimizer state {key!r} is stored as {saved.dtype} but {what} is {wanted_dtype}; "
+                         "fastckpt never casts silently. Nothing was changed.")
+
+
+def _value_kind(value: Any) -> Any:
+    """What a param_groups value must keep across a save: number (int and float alike), bool, str, or a
+    sequence of such of one length; None for values not compared (None itself: an option left to torch)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, torch.Tensor):
+        return "bool" if value.dtype == torch.bool else "number" if value.numel() == 1 else None
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, (list, tuple)):
+        return ("sequence", len(value), tuple(_value_kind(v) for v in value))
+    return None
+
+
+def _check_hyper(saved: dict[str, Any], live: dict[str, Any], path: str, saved_index: int, live_index: int,
+                 label: str) -> None:
+    """Each saved hyper-parameter must be of the kind of the live group's value of that key (``lr="x"`` for a
+    float ``lr``, two ``betas`` for a live pair of floats...). Raises HeaderError naming file, group, key, values."""
+    for key, value in saved.items():
+        if key == "params" or key not in live:
+            continue
+        want, got = _value_kind(live[key]), _value_kind(value)
+        if want is None or got is None or want == got:
+            continue
+        raise HeaderError(
+            f"{path}: metadata 'param_groups'[{saved_index}] (loaded into param group {live_index} of the live "
+            f"{label}) has {key}={value!r} but the live value is {live[key]!r}; its next step() would fail. Nothing "
+            "was changed."
+        )
+
+
 def optimizer_fits(saved_class: Any, optimizer: Any, *, strict: bool, path: str, label: str) -> bool:
     """Whether state saved by ``saved_class`` may be loaded into ``optimizer``; False (not ``strict``): another
     class, whose ``param_groups`` and state keys would not fit (AdamW's groups in SGD fail its next ``step()``), so
@@ -244,8 +324,14 @@ def read_optimizer_state(
 
     Raises:
         KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it).
-        ShapeMismatchError: a parameter keyed by position has another shape than the saved one.
-        HeaderError: the file is not a fastckpt optimizer file (missing metadata, names the key).
+        ShapeMismatchError: a parameter keyed by position has another shape than the saved one, or a state
+            tensor another shape than the live optimizer's tensor of that name (or, for the moments torch keeps
+            shaped like the parameter, ``exp_avg`` and the like, than the parameter); also under ``strict=False``.
+        DtypeError: a state tensor of another dtype than the live optimizer's of that name, or a moment of another
+            kind (integer for a floating parameter...); also under ``strict=False``.
+        HeaderError: the file is not a fastckpt optimizer file (missing metadata, names the key), or a saved
+            hyper-parameter is of another type than the live group's (``lr="x"``; a bool for a number; ``betas``
+            of another length); also under ``strict=False``.
     """
     path = file.path
     metadata = file.metadata() or {}
@@ -315,7 +401,7 @@ def read_optimizer_state(
             f"{uncovered}; load with strict=False to start them fresh"
         )
     index_of = {fqn: i for i, fqn in enumerate(live)}
-    groups = []
+    groups: list[dict[str, Any]] = []
     position = 0
     for live_group in optimizer.param_groups:
         n = len(live_group["params"])
@@ -326,16 +412,23 @@ def read_optimizer_state(
         else:
             hyper = decode_json({k: v for k, v in saved_groups[source].items() if k != "params"},
                                 f"{path}: metadata 'param_groups'", tensors=resolve)
+            _check_hyper(hyper, live_group, path, source, len(groups), label)
         groups.append({**hyper, "params": list(range(position, position + n))})
         position += n
 
     state: dict[int, dict[str, Any]] = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    live_state = getattr(optimizer, "state", None)
     for fqn in live:
         if fqn not in saved_group_of:
             continue
         values: dict[str, Any] = {}
+        param = params[index_of[fqn]]
+        held = live_state.get(param, {}) if isinstance(live_state, dict) and isinstance(param, torch.Tensor) else {}
         for name in state_names.get(fqn, []):
-            t = resolve(f"state.{stored_fqn.get(fqn, fqn)}.{name}")
+            key = f"state.{stored_fqn.get(fqn, fqn)}.{name}"
+            t = resolve(key)
+            _check_state_tensor(key, name, t, param, held.get(name), path, label)
             if map_location is not None and name != "step":
                 t = t.to(map_location)
             values[name] = t

@@ -30,12 +30,43 @@ pub fn commit_dir(staging: &Path, target: &Path, durable: bool) -> Result<()> {
         // The old tree now sits at `staging`.
         let old = fs::symlink_metadata(staging).at(staging, "reading the replaced tree")?;
         if old.is_dir() {
-            fs::remove_dir_all(staging).at(staging, "removing the replaced tree")?;
+            remove_tree(staging).at(staging, "removing the replaced tree")?;
         } else {
             fs::remove_file(staging).at(staging, "removing the replaced file")?;
         }
     }
     Ok(())
+}
+
+/// `fs::remove_dir_all`, and when a read-only folder in the tree refuses it (a 0555 checkpoint folder of its
+/// owner's), again after giving every folder in it owner write and search permission.
+fn remove_tree(path: &Path) -> io::Result<()> {
+    match fs::remove_dir_all(path) {
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            make_writable(path);
+            fs::remove_dir_all(path)
+        }
+        other => other,
+    }
+}
+
+fn make_writable(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(meta) = fs::symlink_metadata(dir) else {
+        return;
+    };
+    if !meta.is_dir() {
+        return;
+    }
+    let mode = meta.permissions().mode();
+    if mode & 0o700 != 0o700 {
+        let _ = fs::set_permissions(dir, fs::Permissions::from_mode(mode | 0o700));
+    }
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            make_writable(&entry.path());
+        }
+    }
 }
 
 /// How often [`put_in_place`] retries when another process creates or removes `target` between our look and
