@@ -117,7 +117,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(run):
     out, _, _, killed = run
     assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-4000:]
     assert "Signal 9 (SIGKILL)" in killed.stderr  # rank 1 died ...
-    assert "[rank0]: Traceback" in killed.stderr  # ... and rank 0 exited with an error instead of hanging
+    # ... and rank 0 exited with an error instead of hanging (its own traceback, or torchrun stopped it first)
+    assert "[rank0]: Traceback" in killed.stderr or "closing signal SIGTERM" in killed.stderr
     reloaded = template(full_state(1))
     fastckpt.dcp.load(reloaded, out / "K")
     assert mismatches(full_state(1), reloaded) == []

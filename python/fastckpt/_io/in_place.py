@@ -28,11 +28,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from fastckpt._io.layout import MANIFEST
+from fastckpt._io.layout import IN_PLACE_STAGING, MANIFEST
 
 __all__ = ["STAGING_NAME", "LOCK_NAME", "in_place_reason", "commit_in_place", "is_mount_point"]
 
-STAGING_NAME = ".fastckpt-staging"
+STAGING_NAME = IN_PLACE_STAGING
 LOCK_NAME = ".fastckpt.lock"
 
 

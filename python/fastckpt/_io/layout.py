@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._version import __version__
-from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
+from fastckpt.errors import CheckpointChangedError, HeaderError, IntegrityError, MissingStateError
 
 __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
@@ -65,6 +65,10 @@ _ACCELERATE_RE = re.compile(
 )
 
 
+#: The hidden subfolder an in-place commit stages in (:mod:`fastckpt._io.in_place`).
+IN_PLACE_STAGING = ".fastckpt-staging"
+
+
 def checkpoint_layout(folder: Path) -> str:
     """``"fastckpt"`` or ``"accelerate"``: how to read ``folder`` (the rule is in the module docs).
 
@@ -82,6 +86,10 @@ def checkpoint_layout(folder: Path) -> str:
         return "accelerate" if isinstance(data, dict) and data.get("layout") == "accelerate" else "fastckpt"
     names = os.listdir(folder)
     partial = sorted(n for n in names if _FASTCKPT_ONLY_RE.match(n))
+    if partial and IN_PLACE_STAGING in names:  # an in-place commit is renaming the new files in right now
+        raise CheckpointChangedError(
+            f"{folder}: a save is being committed in place (its {MANIFEST} comes last); retry the load"
+        )
     if partial:
         raise MissingStateError(
             f"{folder}: holds fastckpt files ({', '.join(partial[:3])}) but no {MANIFEST}: a save that did not finish"
