@@ -10,6 +10,7 @@ still name the real path. On top of that each file is tied to the manifest read 
   by one) carry the manifest's ``save_id`` in their metadata; files of 1 MiB or less have their size and crc32c
   compared with the manifest's record on every open;
 - small files read whole (JSON: scheduler, shard index, object states) have size and crc32c compared likewise;
+- a file the manifest does not list (a hand-edited manifest) is refused: :class:`~fastckpt.errors.IntegrityError`;
 - the folder removed under the reader (the previous checkpoint deleted after the commit), a manifest that changed
   since it was read, or a file that no longer matches it: :class:`~fastckpt.errors.CheckpointChangedError`, raised
   before anything is applied (``load_state`` retries).
@@ -54,6 +55,7 @@ class _Pin:
         self.prefix = f"{_PROC_FD}/{fd}"
         self.manifest_bytes: bytes | None = None
         self.files: dict[str, Any] = {}
+        self.listed = False  # whether the manifest lists the files a load may open (fastckpt's layouts)
         self.save_id: str | None = None
         self.opened: dict[str, int] = {}  # file -> bytes, for the load's log line
 
@@ -67,6 +69,7 @@ class _Pin:
             if isinstance(manifest, dict):
                 files = manifest.get("files")
                 self.files = files if isinstance(files, dict) else {}
+                self.listed = isinstance(files, dict) and manifest.get("layout") != "dcp"
                 save_id = manifest.get("save_id")
                 self.save_id = save_id if isinstance(save_id, str) else None
         elif data != self.manifest_bytes:
@@ -108,6 +111,9 @@ class _Pin:
         if self.save_id is not None and save_id is not None and save_id != self.save_id:
             raise self.mismatch(name, f"holds save {save_id}, {MANIFEST} records save {self.save_id}")
         info = self.files.get(name)
+        if info is None and self.listed:
+            raise self.mismatch(name, f"not in the manifest ({MANIFEST} lists no such file), so nothing vouches for "
+                                      "it; it is not loaded")
         if not isinstance(info, dict):
             return
         if info.get("bytes") != size:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fastckpt import _core
-from fastckpt._io.layout import MANIFEST, read_manifest
+from fastckpt._io.layout import MANIFEST, count_problems, listed_files, read_manifest, unlisted_files
 from fastckpt.errors import IntegrityError
 
 __all__ = ["crc_hex", "digest_entry", "text_entry", "VerifyReport", "check_checkpoint", "verify_checkpoint"]
@@ -111,8 +111,10 @@ def _compare(report: VerifyReport, name: str, info: dict, actual: tuple) -> None
 
 def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, only: list[str] | None = None,
                      progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Read every file ``folder/fastckpt.json`` lists and compare sizes and crc32c checksums; raise nothing for
-    damage, return it in the report.
+    """Read every file ``folder/fastckpt.json`` lists (a sharded save's part files under ``sharded.files`` too) and
+    compare sizes and crc32c checksums; raise nothing for damage, return it in the report. A file a load would open
+    (``model*`` / ``optimizer*`` / ``random_states_*`` safetensors, shard indexes, ``scheduler*.json``, part files)
+    that the manifest does not list is a problem too ("not in the manifest").
 
     Args:
         folder: a checkpoint folder written by :func:`fastckpt.save_state`.
@@ -129,10 +131,20 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, only: 
         MissingStateError: no manifest. HeaderError: a malformed manifest. OSError: a file cannot be read.
     """
     folder = folder if isinstance(folder, Path) else Path(folder)
-    manifest = read_manifest(folder, check_sizes=False)
+    manifest = read_manifest(folder, check_sizes=False, check_counts=False)
     report = VerifyReport(folder)
+
     present: list[str] = []
-    for name, info in manifest.get("files", {}).items():
+    files = listed_files(manifest)  # a sharded save's part files (``model/shard-...``) included
+    for name in unlisted_files(folder, manifest):
+        if only is None or name in only:
+            problem = f"{folder / name}: not in the manifest ({MANIFEST} lists no such file), so nothing vouches for it"
+            report.files[name] = problem
+            report.problems.append(problem)
+    if only is None:  # the files the counts promise and the manifest does not list (each named once)
+        named = {str(folder / n) for n in report.files}
+        report.problems += [p for p in count_problems(folder, manifest) if p.split(": ")[0] not in named]
+    for name, info in files.items():
         if only is not None and name not in only:
             continue
         path = folder / name
@@ -148,7 +160,6 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, only: 
             report.files[name] = problem
             report.problems.append(problem)
         present.append(name)
-    files = manifest.get("files", {})
     if progress is None:
         sums = _core.checksum_files([os.fspath(folder / n) for n in present], threads=threads)
     else:

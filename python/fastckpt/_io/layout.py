@@ -46,7 +46,8 @@ from fastckpt.errors import CheckpointChangedError, HeaderError, IntegrityError,
 __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
-    "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY",
+    "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY", "listed_files",
+    "unlisted_files", "count_problems",
 ]
 
 MANIFEST = "fastckpt.json"
@@ -67,6 +68,37 @@ _ACCELERATE_RE = re.compile(
 
 #: The hidden subfolder an in-place commit stages in (:mod:`fastckpt._io.in_place`).
 IN_PLACE_STAGING = ".fastckpt-staging"
+_EXPECTED_RE = re.compile(  # files a load of fastckpt's layout opens: each must be listed in the manifest
+    r"^(random_states_\d+\.safetensors|(model|optimizer)(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+    r"|adapter_model\.safetensors|(scheduler|optimizer)(_\d+)?\.json)$"
+)
+_PART_FILE_RE = re.compile(r"^(.*\.safetensors|dcp_metadata\.json)$")  # files of a sharded save's DCP parts
+
+
+def listed_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every file a (checked) manifest records: ``files`` and a sharded save's ``sharded.files`` (named
+    ``part/file``), ``{name: {"bytes", "crc32c", "tensors", "xxh3"}}``."""
+    files = dict(manifest.get("files", {}))
+    sharded = manifest.get("sharded")
+    if isinstance(sharded, dict):
+        files.update(sharded.get("files", {}))
+    return files
+
+
+def unlisted_files(folder: Path, manifest: dict[str, Any]) -> list[str]:
+    """The files in ``folder`` a load would open (model*/optimizer*/random_states_* safetensors, shard indexes,
+    scheduler*/optimizer*.json, a sharded save's part files) that its manifest does not list; sorted."""
+    if manifest.get("layout") not in (None, "accelerate"):
+        return []  # fastckpt.dcp's own folders ("layout": "dcp") list their files themselves
+    pattern = _ACCELERATE_RE if manifest.get("layout") == "accelerate" else _EXPECTED_RE
+    listed = listed_files(manifest)
+    found = [n for n in os.listdir(folder) if pattern.match(n) and n not in listed and (folder / n).is_file()]
+    sharded = manifest.get("sharded")
+    for part in sharded.get("parts", []) if isinstance(sharded, dict) else []:
+        if isinstance(part, str) and (folder / part).is_dir():
+            found += [f"{part}/{n}" for n in os.listdir(folder / part)
+                      if _PART_FILE_RE.match(n) and f"{part}/{n}" not in listed]
+    return sorted(found)
 
 
 def checkpoint_layout(folder: Path) -> str:
@@ -139,16 +171,23 @@ def is_model_file(name: str) -> bool:
     return name.startswith(("model", "adapter_")) or name == "config.json"
 
 
-def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False) -> dict[str, Any]:
+def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False,
+                  check_counts: bool = True) -> dict[str, Any]:
     """Read and check ``folder/fastckpt.json``.
+
+    ``check_counts``: ``models`` / ``optimizers`` / ``schedulers`` must match the files listed (see
+    :func:`count_problems`).
 
     ``model_files_only``: check the sizes of the model files alone (a model-only load of a full checkpoint whose
     optimizer files were pruned or damaged still loads its weights).
 
     Raises:
         MissingStateError: no manifest (not a fastckpt checkpoint, or an unfinished save).
-        HeaderError: the manifest is not valid JSON or has a format version this fastckpt cannot read.
-        IntegrityError: a listed file is missing or has another size than recorded (names both sizes).
+        MissingStateError: a file the counts promise is neither listed nor on disk (names it).
+        HeaderError: the manifest is not valid JSON, has a format version this fastckpt cannot read, a ``mode``
+            other than ``"full"`` / ``"model_only"`` or a field of another type than fastckpt writes.
+        IntegrityError: a listed file is missing or has another size than recorded (names both sizes); a file the
+            counts promise is on disk but not listed ("not in the manifest").
     """
     path = folder / MANIFEST
     try:
@@ -164,6 +203,8 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
     if manifest.get("format_version") != FORMAT_VERSION:
         raise HeaderError(f"{path}: format_version {manifest.get('format_version')!r}, this fastckpt reads {FORMAT_VERSION}")
     _check_manifest_fields(path, manifest)
+    if check_counts:
+        _check_counts(folder, manifest)
     if check_sizes:
         for name, info in manifest.get("files", {}).items():
             if model_files_only and not is_model_file(name):
@@ -220,15 +261,82 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
         value = manifest.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise bad(f"{key!r} must be a non-negative integer, got {value!r}")
-    if not isinstance(manifest.get("mode", ""), str):
-        raise bad(f"'mode' must be a string, got {manifest['mode']!r}")
+    modes = ("dcp",) if manifest.get("layout") == "dcp" else ("full", "model_only")  # fastckpt.dcp's own folders
+    if manifest.get("mode") not in modes:
+        raise bad(f"'mode' must be {' or '.join(map(repr, modes))}, got {manifest.get('mode')!r}")
     _check_sharing_fields(bad, manifest)
     files = manifest.get("files", {})
     if not isinstance(files, dict):
         raise bad(f"'files' must be an object, got {type(files).__name__}")
+    _check_file_entries(bad, files, top=True)
+    sharded = manifest.get("sharded")
+    if sharded is not None:
+        if not isinstance(sharded, dict) or not isinstance(sharded.get("files", {}), dict):
+            raise bad("'sharded' must be an object whose 'files' is an object")
+        parts = sharded.get("parts", [])
+        if not isinstance(parts, list) or not all(isinstance(p, str) and _safe_name(p) for p in parts):
+            raise bad(f"'sharded'['parts'] must be a list of folder names, got {parts!r}")
+        _check_file_entries(bad, sharded.get("files", {}), top=False)
+
+
+def _safe_name(name: Any) -> bool:
+    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
+def count_problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
+    """Where ``models`` / ``optimizers`` / ``schedulers`` promise a file the manifest does not list: one line per
+    file, saying "not in the manifest" when the file is on disk (a hand-edited manifest) and "missing" otherwise."""
+    if manifest.get("layout") is not None:
+        return []  # accelerate's and fastckpt.dcp's files follow their own names
+    files = manifest.get("files", {})
+    sharded = manifest.get("sharded")
+    parts = set(sharded.get("parts", [])) if isinstance(sharded, dict) else set()
+    wanted: list[tuple[str, ...]] = []  # the names that would do, the first one is named
+    for i in range(manifest.get("models", 0)):
+        if i == 0 and manifest.get("peft") in files:
+            continue
+        base = part_name("model", i, "")
+        if isinstance(sharded, dict):
+            wanted += [(base,)] if base not in parts else []
+        elif base + ".safetensors" not in files and base + ".safetensors.index.json" not in files:
+            wanted.append((base + ".safetensors", base + ".safetensors.index.json"))
+    for j in range(manifest.get("optimizers", 0)):
+        base = part_name("optimizer", j, "")
+        if isinstance(sharded, dict):
+            wanted += [(n,) for n in (base + ".json",) if n not in files] + ([(base,)] if base not in parts else [])
+        elif base + ".safetensors" not in files and base + ".safetensors.index.json" not in files:
+            wanted.append((base + ".safetensors", base + ".safetensors.index.json"))
+    wanted += [(n,) for k in range(manifest.get("schedulers", 0)) if (n := part_name("scheduler", k, ".json")) not in files]
+    counts = (f"{MANIFEST} records {manifest.get('models', 0)} models, {manifest.get('optimizers', 0)} optimizers, "
+              f"{manifest.get('schedulers', 0)} schedulers")
+    problems = []
+    for names in wanted:
+        on_disk = next((n for n in names if (folder / n).exists()), None)
+        if on_disk is not None:
+            problems.append(f"{folder / on_disk}: not in the manifest ({counts} but lists no such file)")
+        else:
+            problems.append(f"{folder / names[0]}: missing ({counts}; neither {MANIFEST} lists it nor is it on disk)")
+    return problems
+
+
+def _check_counts(folder: Path, manifest: dict[str, Any]) -> None:
+    """IntegrityError for a counted file on disk that the manifest does not list, else MissingStateError naming
+    the files the counts promise (see :func:`count_problems`)."""
+    problems = count_problems(folder, manifest)
+    if any(": not in the manifest" in p for p in problems):
+        raise IntegrityError("; ".join(problems))
+    if problems:
+        raise MissingStateError("; ".join(problems))
+
+
+def _check_file_entries(bad: Any, files: dict[str, Any], *, top: bool) -> None:
     for name, info in files.items():
-        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        if top and not _safe_name(name):
             raise bad(f"file name {name!r} points outside the checkpoint folder")
+        if not top and (not isinstance(name, str) or len(name.split("/")) != 2
+                        or not all(_safe_name(p) for p in name.split("/"))):
+            raise bad(f"sharded file name {name!r} points outside its part folder")
         if not isinstance(info, dict):
             raise bad(f"files[{name!r}] must be an object, got {info!r}")
         size = info.get("bytes")

@@ -22,7 +22,7 @@ import torch
 from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._io.distributed import Session
-from fastckpt._io.layout import part_name, random_states_name, read_manifest
+from fastckpt._io.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
 from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
 from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
 from fastckpt.errors import MissingStateError
@@ -146,9 +146,12 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
     readers: dict[str, Any] = {}
     served: list[dict[str, str]] = []
 
+    unlisted = unlisted_files(folder, manifest)
+
     def part(sub: str) -> dict[str, Any]:
         if not (folder / sub).is_dir():
             raise MissingStateError(f"{folder}: the load needs the sharded part {sub}/, which is absent")
+        _refuse_unlisted(folder, [n for n in unlisted if n.startswith(sub + "/")])
         readers[sub] = reader_factory(folder / sub)
         return readers[sub].read_metadata().state_dict_metadata
 
@@ -162,6 +165,11 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
         load.missing_keys += [label + k for k in missing]
         load.unexpected_keys += [label + k for k in unexpected]
     saved_optimizers = []
+    needed = [part_name("optimizer", j, ".json") for j in range(len(optimizers))]
+    needed += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
+    if not model_only and manifest.get("mode") == "full" and rng_rank is not None:
+        needed.append(random_states_name(rng_rank))
+    _refuse_unlisted(folder, [n for n in needed if n in unlisted])
     for j, opt in enumerate(optimizers):
         base = part_name("optimizer", j, "")
         saved = _read_json(folder, base + ".json", f"optimizer {j}")
@@ -203,6 +211,15 @@ def _assemble(load: ShardedLoad, dest: dict[str, dict[str, torch.Tensor]], model
             state.setdefault(fqn, {}).update(extra)
         load.optimizers.append((owner, opt, {"state": state, "param_groups": info["param_groups"]}))
     return load
+
+
+def _refuse_unlisted(folder: Path, names: list[str]) -> None:
+    """IntegrityError for files the load would read that the manifest does not list (a hand-edited manifest)."""
+    if names:
+        from fastckpt.errors import IntegrityError
+
+        raise IntegrityError(f"{folder}: {', '.join(names)}: not in the manifest ({MANIFEST} lists no such file), so "
+                             "nothing vouches for it; nothing was changed")
 
 
 def _check_part_files(folder: Path, sharded: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """``fastckpt inspect DIR|FILE``: what a checkpoint holds, without loading any tensor.
 
-For a checkpoint folder: the manifest's mode, step, versions and part counts; every file with its size and crc32c;
+For a checkpoint folder: the manifest's mode, step, versions and part counts; every file with its size and crc32c
+(a sharded save's part files too, as ``model/shard-...safetensors``);
 then, for every safetensors file, its tensors (name, dtype, shape, bytes) in file order and its metadata keys.
 For a lone ``.safetensors`` file: its tensors and metadata. Only headers are read (each is fully validated).
 ``--json`` prints the same as one JSON object. In the tables, names holding control or other non-printable characters
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _core
-from fastckpt._io.layout import MANIFEST, checkpoint_layout, read_manifest
+from fastckpt._io.layout import MANIFEST, checkpoint_layout, listed_files, read_manifest
 from fastckpt.cli.progress import Progress
 from fastckpt.errors import CheckpointError
 
@@ -77,7 +78,7 @@ def describe(path: str | os.PathLike[str], progress: Any = None) -> dict[str, An
     if (path / MANIFEST).is_file():
         manifest = read_manifest(path, check_sizes=False)
         out.update({k: v for k, v in manifest.items() if k not in ("files", "format")})
-        listed = manifest.get("files", {})
+        listed = listed_files(manifest)  # a sharded save's part files (``model/shard-...``) too
         out["files"] = [{"file": name, "bytes": info["bytes"], "crc32c": info.get("crc32c")}
                         for name, info in listed.items()]
     else:
@@ -86,7 +87,7 @@ def describe(path: str | os.PathLike[str], progress: Any = None) -> dict[str, An
     names = [f["file"] for f in out["files"] if f["file"].endswith(".safetensors") and (path / f["file"]).is_file()]
     out["tensor_files"] = []
     for i, name in enumerate(names):
-        out["tensor_files"].append(_describe_file(path / name))
+        out["tensor_files"].append({**_describe_file(path / name), "file": name})
         if progress is not None:
             progress(i + 1, len(names))
     if (path / MANIFEST).is_file():
@@ -106,7 +107,7 @@ def _parts(manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
     shared = manifest.get("shared") if isinstance(manifest.get("shared"), dict) else {}
     frozen_files = set(manifest.get("frozen_files") or [])
     parts = {k: {"files": 0, "bytes": 0} for k in ("trainable", "frozen", "shared", "optimizer", "other")}
-    for name, info in manifest.get("files", {}).items():
+    for name, info in listed_files(manifest).items():
         if name in shared:
             kind = "shared"
         elif name in frozen_files:
