@@ -68,6 +68,7 @@ _ACCELERATE_RE = re.compile(
 
 #: The hidden subfolder an in-place commit stages in (:mod:`fastckpt._io.in_place`).
 IN_PLACE_STAGING = ".fastckpt-staging"
+
 _EXPECTED_RE = re.compile(  # files a load of fastckpt's layout opens: each must be listed in the manifest
     r"^(random_states_\d+\.safetensors|(model|optimizer)(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
     r"|adapter_model\.safetensors|(scheduler|optimizer)(_\d+)?\.json)$"
