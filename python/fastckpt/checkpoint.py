@@ -260,7 +260,7 @@ def save_state(
                                     threads=threads)
     write = functools.partial(write_checkpoint, durable=durable, threads=threads)
 
-    def after() -> None:  # on the writer thread, after a successful commit
+    def after() -> None:  # after a successful commit (on the writer thread for async saves)
         if after_commit is not None:
             after_commit(target.absolute())
         if auto and total_limit is not None:
@@ -273,11 +273,8 @@ def save_state(
         return submit(plan, target.absolute(), write=write, blocking=False, auto_named=auto, after=after)
     if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
         return submit(plan, target.absolute(), write=write, blocking=True, auto_named=auto, after=after).wait()
-    write_checkpoint(plan, target, durable=durable, threads=threads)
-    if after_commit is not None:
-        after_commit(target)
-    if auto and total_limit is not None:
-        rotate_checkpoints(root, total_limit, model_only=model_only)
+    write(plan, target)
+    after()
     return target.absolute()
 
 

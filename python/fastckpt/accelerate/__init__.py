@@ -30,7 +30,6 @@ state of objects the Accelerator tracks beyond models, optimizers and schedulers
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
 from pathlib import Path
@@ -39,22 +38,22 @@ from typing import Any, Sequence
 import torch
 
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, agree, check_timeout, gather_to_main, on_main
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
 from fastckpt._io.layout import (
     checkpoint_layout,
     checkpoint_numbers,
-    next_checkpoint_dir,
     random_states_name,
     rotate_checkpoints,
 )
 from fastckpt._io.log import log_load
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
-from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
-from fastckpt._plan.sharded_save import save_sharded
+from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
-from fastckpt.checkpoint import LoadResult, dcp_storage_reader, dcp_storage_writer
+from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
+from fastckpt.accelerate.project import choose_target, project_root, set_iteration
+from fastckpt.checkpoint import LoadResult
 from fastckpt.errors import MissingStateError
 
 __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
@@ -89,32 +88,6 @@ def _check_supported(accelerator: Any) -> str | None:
         raise NotImplementedError(f"fastckpt.accelerate handles FSDP2 with SHARDED_STATE_DICT or FULL_STATE_DICT, "
                                   f"not {sdt}; use accelerator.save_state / load_state")
     return sdt
-
-
-def _project_root(accelerator: Any) -> Path:
-    return Path(accelerator.project_dir if accelerator.project_dir is not None else os.getcwd()).absolute()
-
-
-def _choose_target(accelerator: Any, output_dir: Any, model_only: bool) -> tuple[Path, int | None]:
-    """(target folder, automatic number or None). Runs on the main process.
-
-    An explicit ``output_dir`` is always used; otherwise automatic naming puts a full save in
-    ``checkpoints/checkpoint_{n}`` (n = max(iteration, largest committed + 1)) and a model-only save in
-    ``model_only/checkpoint_{n}`` (its own numbering, see :mod:`fastckpt._io.layout`).
-    """
-    config = accelerator.project_configuration
-    if output_dir is not None:
-        return Path(output_dir).expanduser().absolute(), None
-    if not config.automatic_checkpoint_naming:
-        raise ValueError("output_dir is required unless the Accelerator's ProjectConfiguration has "
-                         "automatic_checkpoint_naming=True")
-    root = _project_root(accelerator)
-    if model_only:
-        target = next_checkpoint_dir(root, model_only=True)
-        return target, int(target.name.rsplit("_", 1)[1])
-    numbers = checkpoint_numbers(root)
-    n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
-    return root / "checkpoints" / f"checkpoint_{n}", n
 
 
 def save_state(
@@ -194,14 +167,14 @@ def save_state(
         if compat:
             raise ValueError("compat='accelerate' does not apply to FSDP2 SHARDED_STATE_DICT (its shards are a "
                              "torch.distributed.checkpoint folder); use FULL_STATE_DICT for accelerate's files")
-        return _save_sharded(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
+        return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
                              timeout=timeout)
     if max_shard_size is _DEFAULT:
         max_shard_size = None if compat else DEFAULT_MAX_SHARD_SIZE
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    target, number = on_main(lambda: _choose_target(accelerator, output_dir, model_only),
+    target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
                              what="choosing the checkpoint folder", timeout=timeout)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
@@ -255,7 +228,7 @@ def save_state(
         if share_unchanged:
             from fastckpt._plan.share import plan_sharing, previous_checkpoint
 
-            after_commit.append(plan_sharing(plan, unwrapped, previous_checkpoint(_project_root(accelerator), target),
+            after_commit.append(plan_sharing(plan, unwrapped, previous_checkpoint(project_root(accelerator), target),
                                              max_shard_size=max_shard_size, threads=threads))
         return plan
 
@@ -265,7 +238,7 @@ def save_state(
                 hook(target)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
-            rotate_checkpoints(_project_root(accelerator), limit, model_only=model_only)
+            rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)
 
     def write() -> Path:
         from fastckpt._io.commit import write_checkpoint
@@ -294,10 +267,10 @@ def save_state(
 def _resolve(accelerator: Any, input_dir: Any, model_only: bool) -> Path:
     if input_dir is not None:
         return check_input_dir(Path(input_dir).expanduser()).absolute()
-    numbers = checkpoint_numbers(_project_root(accelerator), full_only=not model_only)
+    numbers = checkpoint_numbers(project_root(accelerator), full_only=not model_only)
     if not numbers:
         what = "checkpoint_N" if model_only else "checkpoint_N saved in full"
-        raise MissingStateError(f"{_project_root(accelerator) / 'checkpoints'}: no committed {what} to load")
+        raise MissingStateError(f"{project_root(accelerator) / 'checkpoints'}: no committed {what} to load")
     return numbers[max(numbers)].absolute()
 
 
@@ -365,16 +338,16 @@ def load_state(
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
                      timeout=timeout)
     wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
-                      else _project_root(accelerator) / "checkpoints")
+                      else project_root(accelerator) / "checkpoints")
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
     targets = [accelerator.unwrap_model(m) for m in models]
     everything = [accelerator.unwrap_model(m) for m in accelerator._models]
     if is_sharded_checkpoint(folder) or fsdp == "SHARDED_STATE_DICT":
-        result = _load_sharded(accelerator, folder, targets, model_only=model_only, strict=strict,
+        result = load_sharded_state(accelerator, folder, targets, model_only=model_only, strict=strict,
                                trust_pickle=trust_pickle, timeout=timeout)
-        _set_iteration(accelerator, folder)
+        set_iteration(accelerator, folder)
         return result
     plan, error = None, None
     full: list = []
@@ -386,7 +359,7 @@ def load_state(
             rank = None if model_only else _rng_rank(handle, layout, int(accelerator.process_index))
             optimizers = list(accelerator._optimizers)
             if fsdp == "FULL_STATE_DICT":
-                full = _plan_full(handle, targets, optimizers, model_only=model_only, strict=strict, layout=layout)
+                full = plan_full(handle, targets, optimizers, model_only=model_only, strict=strict, layout=layout)
                 targets, optimizers = [], []
             plan = plan_load(handle, targets, optimizers, list(accelerator._schedulers),
                              model_only=model_only, strict=strict, map_location=map_location,
@@ -418,93 +391,5 @@ def load_state(
     log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     if plan.rng is not None:
         accelerator.step = plan.rng.step
-    _set_iteration(accelerator, folder)
+    set_iteration(accelerator, folder)
     return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
-
-
-def _set_iteration(accelerator: Any, folder: Path) -> None:
-    m = re.fullmatch(r"checkpoint_(\d+)", folder.name)
-    root = _project_root(accelerator) / "checkpoints"
-    if m and folder.parent.resolve() == root.resolve():
-        accelerator.project_configuration.iteration = int(m.group(1)) + 1
-
-
-def _plan_full(folder: Path, models: list, optimizers: list, *, model_only: bool, strict: bool,
-               layout: str) -> list:
-    """FSDP2 FULL_STATE_DICT load, phase 1: every model's and optimizer's full state, checked (nothing changes)."""
-    from fastckpt._io.layout import part_name, read_manifest
-    from fastckpt._io.shards import open_state_file, open_state_files
-    from fastckpt._state.sharded import owner_model
-    from fastckpt._state.sharded_full import read_full_model, read_full_optimizer
-
-    if layout != "fastckpt":
-        raise MissingStateError(f"{folder}: FSDP2 FULL_STATE_DICT loads fastckpt's layout; convert accelerate's "
-                                "files first (fastckpt convert)")
-    manifest = read_manifest(folder, model_files_only=model_only)
-    if not model_only and optimizers and manifest.get("mode") == "model_only":
-        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer.safetensors; load "
-                                "it with model_only=True. Nothing was changed.")
-    out: list = []
-    for i, m in enumerate(models):
-        base = part_name("model", i, "")
-        state, missing, unexpected = read_full_model(open_state_files(folder, base, f"model {i}"), m, strict=strict,
-                                                     where=f"{folder} ({base})")
-        out.append(("model", m, state, missing, unexpected))
-    for j, opt in enumerate([] if model_only else optimizers):
-        base = part_name("optimizer", j, "")
-        owner = owner_model(opt, models, base)
-        osd = read_full_optimizer(open_state_file(folder, base, f"optimizer {j}"), owner, opt, strict=strict,
-                                  where=f"{folder / (base + '.safetensors')}")
-        out.append(("optimizer", owner, opt, osd))
-    return out
-
-
-def _save_sharded(accelerator: Any, output_dir: Any, *, model_only: bool, durable: bool, threads: int,
-                  timeout: float) -> Path:
-    """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit."""
-    from fastckpt.accelerate.tracked_objects import add_tracked_objects
-
-    target, number = on_main(lambda: _choose_target(accelerator, output_dir, model_only), what="choosing the checkpoint folder",
-                             timeout=timeout)
-    models = [accelerator.unwrap_model(m) for m in accelerator._models]
-    for hook in accelerator._save_model_state_pre_hook.values():
-        os.makedirs(target, exist_ok=True)
-        hook(list(accelerator._models), [m.state_dict() for m in models], str(target))
-    path = save_sharded(models, list(accelerator._optimizers), list(accelerator._schedulers), target=target,
-                        model_only=model_only, step=int(accelerator.step), durable=durable, threads=threads,
-                        timeout=timeout, writer_factory=dcp_storage_writer,
-                        add_files=None if model_only else lambda plan: add_tracked_objects(plan, accelerator,
-                                                                                           compat=False),
-                        what="fastckpt.accelerate.save_state")
-    limit = accelerator.project_configuration.total_limit
-    if number is not None and limit is not None and int(accelerator.process_index) == 0:
-        rotate_checkpoints(_project_root(accelerator), limit)
-    config = accelerator.project_configuration
-    config.iteration = number + 1 if number is not None else config.iteration + 1
-    return path
-
-
-def _load_sharded(accelerator: Any, folder: Path, models: list, *, model_only: bool, strict: bool,
-                  trust_pickle: bool, timeout: float) -> LoadResult:
-    from fastckpt.accelerate.tracked_objects import plan_tracked_objects
-
-    session = Session(f"fastckpt.accelerate.load_state from {folder}", timeout)
-    error: BaseException | None = None
-    try:
-        if not is_sharded_checkpoint(folder):
-            raise MissingStateError(f"{folder}: not a sharded checkpoint; FSDP2 SHARDED_STATE_DICT loads folders "
-                                    "saved with SHARDED_STATE_DICT (switch state_dict_type to FULL_STATE_DICT "
-                                    "to load single-file ones)")
-    except Exception as exc:
-        error = exc
-    session.agree(error, step="arrive")
-    plan = plan_sharded_load(folder, models, list(accelerator._optimizers), list(accelerator._schedulers),
-                             model_only=model_only, strict=strict, session=session,
-                             reader_factory=dcp_storage_reader,
-                             rng_rank=None if model_only else int(accelerator.process_index),
-                             extra=lambda load: plan_tracked_objects(load, folder, accelerator, layout="fastckpt",
-                                                                     trust_pickle=trust_pickle))
-    plan.apply()
-    if plan.step is not None:
-        accelerator.step = plan.step
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)

@@ -1,0 +1,101 @@
+"""FSDP2 under ``fastckpt.accelerate``: ``SHARDED_STATE_DICT`` saves and loads through torch.distributed.checkpoint
+and the storage plugin (:mod:`fastckpt._plan.sharded_save` / ``sharded_load``), and phase 1 of a
+``FULL_STATE_DICT`` load (the full state read and checked before anything changes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fastckpt._io.distributed import Session, on_main
+from fastckpt._io.layout import rotate_checkpoints
+from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
+from fastckpt._plan.sharded_save import save_sharded
+from fastckpt.accelerate.project import choose_target, project_root
+from fastckpt.checkpoint import LoadResult, dcp_storage_reader, dcp_storage_writer
+from fastckpt.errors import MissingStateError
+
+__all__ = ["plan_full", "save_sharded_state", "load_sharded_state"]
+
+
+def plan_full(folder: Path, models: list, optimizers: list, *, model_only: bool, strict: bool,
+               layout: str) -> list:
+    """FSDP2 FULL_STATE_DICT load, phase 1: every model's and optimizer's full state, checked (nothing changes)."""
+    from fastckpt._io.layout import part_name, read_manifest
+    from fastckpt._io.shards import open_state_file, open_state_files
+    from fastckpt._state.sharded import owner_model
+    from fastckpt._state.sharded_full import read_full_model, read_full_optimizer
+
+    if layout != "fastckpt":
+        raise MissingStateError(f"{folder}: FSDP2 FULL_STATE_DICT loads fastckpt's layout; convert accelerate's "
+                                "files first (fastckpt convert)")
+    manifest = read_manifest(folder, model_files_only=model_only)
+    if not model_only and optimizers and manifest.get("mode") == "model_only":
+        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer.safetensors; load "
+                                "it with model_only=True. Nothing was changed.")
+    out: list = []
+    for i, m in enumerate(models):
+        base = part_name("model", i, "")
+        state, missing, unexpected = read_full_model(open_state_files(folder, base, f"model {i}"), m, strict=strict,
+                                                     where=f"{folder} ({base})")
+        out.append(("model", m, state, missing, unexpected))
+    for j, opt in enumerate([] if model_only else optimizers):
+        base = part_name("optimizer", j, "")
+        owner = owner_model(opt, models, base)
+        osd = read_full_optimizer(open_state_file(folder, base, f"optimizer {j}"), owner, opt, strict=strict,
+                                  where=f"{folder / (base + '.safetensors')}")
+        out.append(("optimizer", owner, opt, osd))
+    return out
+
+
+def save_sharded_state(accelerator: Any, output_dir: Any, *, model_only: bool, durable: bool, threads: int,
+                  timeout: float) -> Path:
+    """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit."""
+    from fastckpt.accelerate.tracked_objects import add_tracked_objects
+
+    target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only), what="choosing the checkpoint folder",
+                             timeout=timeout)
+    models = [accelerator.unwrap_model(m) for m in accelerator._models]
+    for hook in accelerator._save_model_state_pre_hook.values():
+        os.makedirs(target, exist_ok=True)
+        hook(list(accelerator._models), [m.state_dict() for m in models], str(target))
+    path = save_sharded(models, list(accelerator._optimizers), list(accelerator._schedulers), target=target,
+                        model_only=model_only, step=int(accelerator.step), durable=durable, threads=threads,
+                        timeout=timeout, writer_factory=dcp_storage_writer,
+                        add_files=None if model_only else lambda plan: add_tracked_objects(plan, accelerator,
+                                                                                           compat=False),
+                        what="fastckpt.accelerate.save_state")
+    limit = accelerator.project_configuration.total_limit
+    if number is not None and limit is not None and int(accelerator.process_index) == 0:
+        rotate_checkpoints(project_root(accelerator), limit)
+    config = accelerator.project_configuration
+    config.iteration = number + 1 if number is not None else config.iteration + 1
+    return path
+
+
+def load_sharded_state(accelerator: Any, folder: Path, models: list, *, model_only: bool, strict: bool,
+                  trust_pickle: bool, timeout: float) -> LoadResult:
+    from fastckpt.accelerate.tracked_objects import plan_tracked_objects
+
+    session = Session(f"fastckpt.accelerate.load_state from {folder}", timeout)
+    error: BaseException | None = None
+    try:
+        if not is_sharded_checkpoint(folder):
+            raise MissingStateError(f"{folder}: not a sharded checkpoint; FSDP2 SHARDED_STATE_DICT loads folders "
+                                    "saved with SHARDED_STATE_DICT (switch state_dict_type to FULL_STATE_DICT "
+                                    "to load single-file ones)")
+    except Exception as exc:
+        error = exc
+    session.agree(error, step="arrive")
+    plan = plan_sharded_load(folder, models, list(accelerator._optimizers), list(accelerator._schedulers),
+                             model_only=model_only, strict=strict, session=session,
+                             reader_factory=dcp_storage_reader,
+                             rng_rank=None if model_only else int(accelerator.process_index),
+                             extra=lambda load: plan_tracked_objects(load, folder, accelerator, layout="fastckpt",
+                                                                     trust_pickle=trust_pickle))
+    plan.apply()
+    if plan.step is not None:
+        accelerator.step = plan.step
+    return LoadResult(plan.missing_keys, plan.unexpected_keys)
