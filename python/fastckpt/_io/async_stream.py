@@ -44,6 +44,7 @@ import torch
 
 from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool, Slot, aligned
+from fastckpt._io.shards import parse_size
 from fastckpt._io.snapshot import _check
 from fastckpt.errors import ConcurrentModificationError
 
@@ -53,36 +54,21 @@ __all__ = ["SMALL_BYTES", "StreamingSave", "parse_budget", "submit_stream"]
 SMALL_BYTES = 64 << 10
 _STREAMED_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                     torch.int16, torch.int8, torch.uint8, torch.bool}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_budget(budget: int | str | None) -> int | None:
-    """``host_memory_budget`` in bytes: an int, a string such as ``"4GB"`` (10**9) or ``"512MiB"``, or None.
+    """``host_memory_budget`` in bytes: an int, a string such as ``"4GB"`` (10**9) or ``"512MiB"`` (the units of
+    :func:`fastckpt._io.shards.parse_size`), or None.
 
     Raises:
-        ValueError: a negative number or an unknown unit.
+        ValueError: a negative number, an unknown unit, or neither int nor str.
     """
     if budget is None:
         return None
-    if isinstance(budget, bool):
-        raise ValueError(f"host_memory_budget must be bytes or a string like '4GB', got {budget!r}")
-    if isinstance(budget, int):
-        value = budget
-    elif isinstance(budget, str):
-        text = budget.strip().upper().replace(" ", "")
-        digits = text.rstrip("KMGTIB")
-        unit = text[len(digits):]
-        try:
-            value = int(float(digits) * _UNITS[unit])
-        except (KeyError, ValueError):
-            raise ValueError(f"host_memory_budget {budget!r}: expected bytes or a size like '4GB' / '512MiB'") \
-                from None
-    else:
-        raise ValueError(f"host_memory_budget must be bytes or a string like '4GB', got {budget!r}")
-    if value < 0:
-        raise ValueError(f"host_memory_budget must be >= 0 bytes, got {budget!r}")
-    return value
+    try:
+        return parse_size(budget, "host_memory_budget", minimum=0)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _torch_optimizer(opt: Any) -> torch.optim.Optimizer | None:

@@ -37,7 +37,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
 _MAX_INDEX_BYTES = 100_000_000
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: int | str, what: str = "max_shard_size", minimum: int = 1) -> int:
     """A shard size limit in bytes, from an int or a string with Hugging Face's units (accelerate's parser).
 
     ``"10GB"`` = 10 * 10**9, ``"10GiB"`` = 10 * 2**30 (also TB/MB/KB and TiB/MiB/KiB, case-insensitive, decimals
@@ -47,9 +47,11 @@ def parse_size(size: int | str) -> int:
     Raises:
         ValueError: not a positive size, or an unknown unit (the message lists the accepted ones).
         TypeError: neither int nor str.
+
+    ``what`` names the argument in messages; ``minimum``: the smallest size accepted (bytes).
     """
     if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise TypeError(f"max_shard_size must be an int (bytes) or a str like '10GB', got {type(size).__name__}")
+        raise TypeError(f"{what} must be an int (bytes) or a str like '10GB', got {type(size).__name__}")
     if isinstance(size, int):
         value = size
     else:
@@ -57,14 +59,14 @@ def parse_size(size: int | str) -> int:
         unit = m.group(2).upper() if m else ""
         if not m or unit not in _UNITS:
             raise ValueError(
-                f"max_shard_size {size!r} is not a size: use bytes (int) or a number with one of the units "
+                f"{what} {size!r} is not a size: use bytes (int) or a number with one of the units "
                 "TB, GB, MB, KB (powers of 10), TiB, GiB, MiB, KiB (powers of 2); e.g. '10GB'"
             )
         value = int(float(m.group(1)) * _UNITS[unit])
         if m.group(2)[-1] == "b" and not unit.endswith("IB"):
             value //= 8  # "Gb": gigabits
-    if value < 1:
-        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r} ({value} bytes)")
+    if value < minimum:
+        raise ValueError(f"{what} must be at least {minimum} byte(s), got {size!r} ({value} bytes)")
     return value
 
 
