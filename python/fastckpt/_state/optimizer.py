@@ -323,7 +323,8 @@ def read_optimizer_state(
             ``load_state_dict`` (see :mod:`fastckpt._state.live_targets`).
 
     Raises:
-        KeyMismatchError: ``strict`` and a live parameter is in no saved param group (names it).
+        KeyMismatchError: ``strict`` and a live parameter is in no saved param group, or the saved groups hold
+            parameters the live optimizer does not optimize (names them).
         ShapeMismatchError: a parameter keyed by position has another shape than the saved one, or a state
             tensor another shape than the live optimizer's tensor of that name (or, for the moments torch keeps
             shaped like the parameter, ``exp_avg`` and the like, than the parameter); also under ``strict=False``.
@@ -401,6 +402,13 @@ def read_optimizer_state(
             f"{uncovered}; load with strict=False to start them fresh"
         )
     index_of = {fqn: i for i, fqn in enumerate(live)}
+    orphaned = [fqn for fqn in saved_group_of if fqn not in index_of]
+    if strict and orphaned:  # torch's load_state_dict refuses this too (a group of another size)
+        raise KeyMismatchError(
+            f"{path}: the saved {label} holds state for {len(orphaned)} parameter(s) the live {label} does not "
+            f"optimize: {orphaned[:10]}{' ...' if len(orphaned) > 10 else ''}; loading would drop it (load with "
+            "strict=False to take the state of the parameters it does optimize)"
+        )
     groups: list[dict[str, Any]] = []
     position = 0
     for live_group in optimizer.param_groups:
