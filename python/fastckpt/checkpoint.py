@@ -401,10 +401,14 @@ def dcp_storage_reader(folder: Path) -> Any:
 def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,
                   project_dir: Any, total_limit: int | None, step: int, durable: bool, threads: int,
                   max_shard_size: Any, compat: Any, async_save: bool, timeout: float) -> Path:
-    for name, value in (("max_shard_size", max_shard_size), ("compat", compat)):
+    for name, value in (("max_shard_size", None if model_only else max_shard_size), ("compat", compat)):
         if value is not None:
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
                              "written through torch.distributed.checkpoint; pass None")
+    if max_shard_size is not None:
+        from fastckpt._io.shards import parse_size
+
+        max_shard_size = parse_size(max_shard_size)
     if async_save:
         raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
                          "save with async_save=False")
@@ -412,7 +416,7 @@ def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_di
     target = next_checkpoint_dir(root, model_only=model_only) if output_dir is None else Path(output_dir)
     path = save_sharded(models, optimizers, schedulers, target=target.absolute(), model_only=model_only,
                         step=step, durable=durable, threads=threads, timeout=timeout,
-                        writer_factory=dcp_storage_writer)
+                        writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
     if output_dir is None and total_limit is not None and process_rank() == 0:
         rotate_checkpoints(root, total_limit)
     return path
@@ -423,6 +427,13 @@ def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list
     from fastckpt.errors import MissingStateError
 
     session = Session(f"load_state from {folder.absolute()}", timeout)
+    mode = None if is_sharded_checkpoint(folder) else _saved_mode(folder)
+    if mode == "model_only" and not model_only and (optimizers or schedulers):
+        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer or scheduler state; "
+                                "load it with model_only=True, or pass no optimizer/scheduler. Nothing was changed.")
+    if mode is not None and (model_only or mode == "model_only"):  # model files (a model-only save: HF files)
+        return _load_full_into_sharded(folder, models, model_only=model_only, strict=strict, verify=verify,
+                                       threads=threads, session=session)
     error: BaseException | None = None
     try:
         if not is_sharded_checkpoint(folder):
@@ -438,3 +449,42 @@ def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list
                              rng_rank=None if model_only else session.rank)
     plan.apply()
     return LoadResult(plan.missing_keys, plan.unexpected_keys)
+
+
+def _saved_mode(folder: Path) -> Any:
+    from fastckpt._io.layout import read_manifest
+    from fastckpt.errors import MissingStateError
+
+    try:
+        return read_manifest(folder, check_sizes=False).get("mode")
+    except (MissingStateError, ValueError):
+        return None
+
+
+def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, strict: bool, verify: bool,
+                            threads: int, session: Session) -> LoadResult:
+    """Full model files (a model-only save, from one process or FSDP2) into sharded models: every rank reads and
+    checks the full tensors, every rank agrees, then ``set_model_state_dict(full_state_dict=True)`` keeps each
+    rank's shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from fastckpt._io.layout import checkpoint_layout
+    from fastckpt._plan.full_load import plan_full
+
+    full: list = []
+    error: BaseException | None = None
+    try:
+        with pinned(folder) as handle:
+            if verify:
+                verify_checkpoint(handle, threads=threads)
+            full = plan_full(handle, models, [], model_only=True, strict=strict, layout=checkpoint_layout(handle))
+    except Exception as exc:
+        error = exc
+    session.agree(error, step="validate")
+    missing: list[str] = []
+    unexpected: list[str] = []
+    for _, model, state, miss, unexp in full:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+        missing += miss
+        unexpected += unexp
+    return LoadResult(missing, unexpected)

@@ -6,7 +6,8 @@ Usage: ``python -m torch.distributed.run --standalone --nproc-per-node W mp_fsdp
 Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; ``tiny``: uneven shards):
 
 - train: 3 FSDP2 steps equal, bit for bit, the same training in one plain process (``train_{kind}``).
-- save: full (``OUT/w{W}_{kind}``) and model-only (``OUT/w{W}_{kind}_weights``) sharded saves.
+- save: full (``OUT/w{W}_{kind}``) and model-only (``OUT/w{W}_{kind}_weights``, and ``..._weights_split`` with
+  ``max_shard_size``) sharded saves; the model-only folder loads back on W ranks (``weights_back_{kind}``).
 - load: the 2-rank checkpoints (``OUT/w2_{kind}``) into fresh FSDP2 objects: state equal to the saved one, and the
   next step equal to the plain run's 4th (``load_{kind}``); model-only load of the full folder; resharding on W=4.
 - model_only: a full load of a model-only folder raises MissingStateError on every rank, nothing changes.
@@ -34,6 +35,7 @@ import fastckpt  # noqa: E402
 from helpers.fsdp_models import build, diff, full_state, optimizer_for, reference, same, shard, train_step  # noqa: E402
 
 OUT = Path(sys.argv[1])
+SPLIT = 600  # bytes per model file of the sharded-model-file scenario (several files + the index)
 checks: dict[str, object] = {}
 
 
@@ -69,6 +71,13 @@ def scenario_train_save(kind: str, rank: int, world: int) -> None:
     path = fastckpt.save_state(model, opt, sched, output_dir=OUT / f"w{world}_{kind}", step=3)
     checks[f"save_{kind}"] = str(path)
     fastckpt.save_state(model, opt, sched, output_dir=OUT / f"w{world}_{kind}_weights", model_only=True)
+    fastckpt.save_state(model, output_dir=OUT / f"w{world}_{kind}_weights_split", model_only=True,
+                        max_shard_size=SPLIT)
+    # the model-only folder loads back on this world size too (full files -> each rank's shard)
+    m2, _, _ = fresh(kind, seed=5)
+    result = fastckpt.load_state(m2, input_dir=OUT / f"w{world}_{kind}_weights", model_only=True)
+    checks[f"weights_back_{kind}"] = (same(full_state(m2, None), full_state(model, None))
+                                      and [result.missing_keys, result.unexpected_keys] == [[], []])
     train_step(model, opt, sched, 3, rank=rank, world=world)
     ref4 = reference(kind, 4)
     checks[f"next_{kind}"] = same(full_state(model, opt), full_state(ref4[0], ref4[1]))

@@ -89,10 +89,6 @@ def test_sharded_folder_layout(runs, kind):
     if kind == "gpt2":  # the tie is found per parameter and stored once
         assert manifest["sharded"]["aliases"] == [{"lm_head.weight": "transformer.wte.weight"}]
         assert "config.json" in names
-    weights = out / f"w2_{kind}_weights"
-    wnames = {p.name for p in weights.iterdir()}
-    assert not wnames & {"optimizer", "optimizer.json", "scheduler.json", "random_states_0.safetensors"}
-    assert json.loads((weights / "fastckpt.json").read_text())["mode"] == "model_only"
     for rank in (0, 1):  # each rank's own streams (seeded 100 + rank before the save)
         assert torch.equal(st.load_file(folder / f"random_states_{rank}.safetensors")["torch"],
                            torch.Generator().manual_seed(100 + rank).get_state())
@@ -132,7 +128,7 @@ def test_full_load_of_model_only_folder_refused_everywhere(runs, one_thread):
     out, results = runs
     for res in results[4]:
         assert res["model_only_full_load"]["error"] == "MissingStateError"
-        assert "optimizer.json" in res["model_only_full_load"]["message"]
+        assert "saved with model_only=True" in res["model_only_full_load"]["message"]
         assert res["model_only_unchanged"] is True
     model = build("tiny", 3)
     opt, sched = optimizer_for(model)
@@ -174,3 +170,61 @@ def test_consolidate_gives_a_hugging_face_folder(runs, one_thread, tmp_path):
     assert proc.returncode == 0, proc.stderr
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert same(full_state(model, None), full_state(reference("gpt2", 3)[0], None))
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_only_save_is_the_one_process_folder(runs, one_thread, tmp_path, kind, world, split):
+    """An FSDP2 model-only save writes the files a one-process model-only save of the same full model writes, byte
+    for byte (model.safetensors, or HF shards + index), and no DCP part; the manifest reads the same."""
+    out, results = runs
+    suffix = "_weights_split" if split else "_weights"
+    folder = out / f"w{world}_{kind}{suffix}"
+    ref_model = reference(kind, 3)[0]
+    ref = fastckpt.save_state(ref_model, output_dir=tmp_path / "ref", model_only=True,
+                              max_shard_size=600 if split else None)
+    names = {p.name for p in folder.iterdir()}
+    assert names == {p.name for p in ref.iterdir()}
+    assert (len([n for n in names if n.endswith(".safetensors")]) > 1) == split
+    assert ("model.safetensors.index.json" in names) == split
+    for name in names - {"fastckpt.json"}:
+        assert (folder / name).read_bytes() == (ref / name).read_bytes(), name
+    got, want = (json.loads((f / "fastckpt.json").read_text()) for f in (folder, ref))
+    assert "sharded" not in got and got["mode"] == "model_only"
+    drop = ("fastckpt_version",)
+    assert {k: v for k, v in got.items() if k not in drop} == {k: v for k, v in want.items() if k not in drop}
+    fastckpt.verify_checkpoint(folder)  # every file with its recorded checksums
+    for rank, res in enumerate(results[world]):
+        assert res[f"weights_back_{kind}"] is True, rank
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_from_pretrained_reads_the_fsdp2_model_only_save(runs, one_thread, world):
+    from transformers import GPT2LMHeadModel
+
+    out, _ = runs
+    model = GPT2LMHeadModel.from_pretrained(out / f"w{world}_gpt2_weights")
+    assert same(full_state(model, None), full_state(reference("gpt2", 3)[0], None))
+    split = GPT2LMHeadModel.from_pretrained(out / f"w{world}_gpt2_weights_split")
+    assert same(full_state(split, None), full_state(reference("gpt2", 3)[0], None))
+
+
+def test_convert_to_hf_model_consolidates_a_sharded_checkpoint(runs, one_thread, tmp_path):
+    """``fastckpt convert --to hf-model`` of an FSDP2 checkpoint writes the one-process model file, byte for byte
+    (ties recorded as the one-process save records them); the other targets name what to use instead."""
+    out, _ = runs
+    from transformers import GPT2LMHeadModel
+
+    proc = subprocess.run([sys.executable, "-m", "fastckpt", "convert", str(out / "w2_gpt2"), str(tmp_path / "hf"),
+                           "--to", "hf-model"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ref = fastckpt.save_state(reference("gpt2", 3)[0], output_dir=tmp_path / "ref", model_only=True)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (ref / "config.json").read_bytes()
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert same(full_state(model, None), full_state(reference("gpt2", 3)[0], None))
+    proc = subprocess.run([sys.executable, "-m", "fastckpt", "convert", str(out / "w2_gpt2"), str(tmp_path / "fc"),
+                           "--to", "fastckpt"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "MissingStateError" in proc.stderr and "fastckpt consolidate" in proc.stderr
+    assert not (tmp_path / "fc").exists()

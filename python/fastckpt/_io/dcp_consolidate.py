@@ -92,7 +92,21 @@ def _model_tensors(parsed: ParsedMetadata, key: str | None) -> dict[str, str]:
     return {name: chosen[name] for name in sorted(chosen, key=lambda n: fqns.index(chosen[n]))}
 
 
-def consolidate(src: Path, out: Path, *, max_shard_size: int, key: str | None = None, threads: int = 0,
+def _saved_aliases(src: Path, folder: Path) -> dict[str, str]:
+    """``{dropped: kept}`` tied names of a fastckpt sharded checkpoint's ``model/`` part (its manifest's
+    ``sharded.aliases``), written as the one-process save records them; {} for any other folder."""
+    from fastckpt._io.layout import MANIFEST
+
+    if folder != src / "model" or not (src / MANIFEST).is_file():
+        return {}
+    try:
+        aliases = json.loads((src / MANIFEST).read_text())["sharded"]["aliases"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+    return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}
+
+
+def consolidate(src: Path, out: Path, *, max_shard_size: int | None, key: str | None = None, threads: int = 0,
                 durable: bool = True, progress: Callable[[int], Any] | None = None) -> list[str]:
     """Write the Hugging Face model folder ``out`` from the DCP-format checkpoint ``src``.
 
@@ -100,7 +114,7 @@ def consolidate(src: Path, out: Path, *, max_shard_size: int, key: str | None = 
         src: a folder :class:`fastckpt.dcp.StorageWriter` wrote, or a checkpoint holding one (see
             :func:`find_dcp_folder`); it is validated in full first (metadata, every file's header).
         out: the output folder (replaced whole, atomically).
-        max_shard_size: bytes per output file; more tensors give ``model-0000k-of-0000N.safetensors`` + the index.
+        max_shard_size: bytes per output file (None: one file); more tensors give ``model-0000k-of-0000N.safetensors`` + the index.
         key: the top-level state-dict entry holding the model (``dcp.save({"model": sd, "optim": ...})``); None:
             ``"model"`` when there is one, else every tensor under its own name.
         threads: copy threads (0 = min(8, cores)).
@@ -116,50 +130,17 @@ def consolidate(src: Path, out: Path, *, max_shard_size: int, key: str | None = 
     """
     folder = find_dcp_folder(src)
     parsed = read_dcp_metadata(folder)
-    files = open_chunk_files(folder, parsed)
-    sources = sorted(files)
-    src_index = {name: i for i, name in enumerate(sources)}
-    entries = {name: {t[0]: t for t in f.tensors()} for name, f in files.items()}
-    outputs: dict[str, _Out] = {}
-    kept: dict[tuple, str] = {}
-    aliases: dict[str, str] = {}
-    for name, fqn in _model_tensors(parsed, key).items():
-        md = parsed.metadata.state_dict_metadata[fqn]
-        locs = tuple(sorted((tuple(int(o) for o in c.offsets), parsed.chunks[(fqn, tuple(int(o) for o in c.offsets))])
-                            for c in md.chunks))  # type: ignore[union-attr]
-        if locs and locs in kept:
-            aliases[name] = kept[locs]
-            continue
-        kept[locs] = name
-        dtype = parsed.dtypes[fqn]
-        size = [int(s) for s in md.size]  # type: ignore[union-attr]
-        itemsize = to_torch_dtype(dtype, name=fqn).itemsize
-        stored = [*size[:-1], size[-1] * 2] if dtype == F4 and size else size
-        outputs[name] = _Out(name, fqn, dtype, stored, itemsize, itemsize * math.prod(size))
-    groups = _assign(outputs, max_shard_size)
-    n = len(groups)
-    file_names = ["model.safetensors"] if n <= 1 else [shard_name("model", k + 1, n) for k in range(n)]
+    names = _model_tensors(parsed, key)
+    aliases = _saved_aliases(src, folder) if key is None else {}
     out = check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(out.parent)
     owner = OwnedPath(out.parent, out.name)
     try:
         owner.path.mkdir()
-        weight_map: dict[str, str] = {}
-        for file_name, names in zip(file_names, groups or [[]]):
-            tensors = [_ranges(outputs[name], parsed, files, entries, src_index) for name in names]
-            meta = [("format", "pt"), *((d, k) for d, k in aliases.items() if k in names)]
-            size = _core.write_assembled(str(owner.path / file_name), [str(folder / s) for s in sources], tensors,
-                                         meta, durable=durable, threads=threads)
-            weight_map.update({name: file_name for name in names})
-            if progress is not None:
-                progress(size)
-        written = list(file_names)
-        if n > 1:
-            index = {"metadata": {"total_size": sum(o.nbytes for o in outputs.values())},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (owner.path / index_name("model")).write_text(json.dumps(index, indent=2) + "\n")
-            written.append(index_name("model"))
+        written = list(write_model_files(folder, parsed, owner.path, names=names, aliases=aliases,
+                                         max_shard_size=max_shard_size, durable=durable, threads=threads,
+                                         progress=progress))
         for config in CONFIG_FILES:
             for where in (src, folder, folder.parent):
                 if (where / config).is_file():
@@ -171,6 +152,68 @@ def consolidate(src: Path, out: Path, *, max_shard_size: int, key: str | None = 
         _core.commit_dir(str(owner.path), str(out), durable=durable)
     finally:
         owner.release()
+    return written
+
+
+def write_model_files(folder: Path, parsed: ParsedMetadata, out: Path, *, names: dict[str, str],
+                      aliases: dict[str, str] | None = None, base: str = "model", max_shard_size: int | None,
+                      durable: bool = True, threads: int = 0,
+                      progress: Callable[[int], Any] | None = None) -> dict[str, str]:
+    """Write the Hugging Face model files of the DCP-format ``folder`` into the existing folder ``out`` (no commit).
+
+    Args:
+        parsed: ``folder``'s metadata (:func:`fastckpt._io.dcp_files.read_dcp_metadata`).
+        names: ``{output name: fqn}`` in state-dict order (the order shards are filled in).
+        aliases: ``{dropped: kept}`` tied names stored once (recorded in the metadata of the kept one's file), on
+            top of the ties found as names whose chunks are the same stored bytes.
+        base: ``model`` gives ``model.safetensors`` (or ``model-0000k-of-0000N.safetensors`` + the index).
+        max_shard_size: bytes per file; None: one file.
+
+    Returns:
+        ``{file name: "safetensors" | "index"}`` of the files written, in order.
+
+    Raises:
+        As :func:`consolidate`.
+    """
+    files = open_chunk_files(folder, parsed)
+    sources = sorted(files)
+    src_index = {name: i for i, name in enumerate(sources)}
+    entries = {name: {t[0]: t for t in f.tensors()} for name, f in files.items()}
+    outputs: dict[str, _Out] = {}
+    kept: dict[tuple, str] = {}
+    ties: dict[str, str] = {}
+    for name, fqn in names.items():
+        md = parsed.metadata.state_dict_metadata[fqn]
+        locs = tuple(sorted((tuple(int(o) for o in c.offsets), parsed.chunks[(fqn, tuple(int(o) for o in c.offsets))])
+                            for c in md.chunks))  # type: ignore[union-attr]
+        if locs and locs in kept:
+            ties[name] = kept[locs]
+            continue
+        kept[locs] = name
+        dtype = parsed.dtypes[fqn]
+        size = [int(s) for s in md.size]  # type: ignore[union-attr]
+        itemsize = to_torch_dtype(dtype, name=fqn).itemsize
+        stored = [*size[:-1], size[-1] * 2] if dtype == F4 and size else size
+        outputs[name] = _Out(name, fqn, dtype, stored, itemsize, itemsize * math.prod(size))
+    ties.update(aliases or {})
+    groups = _assign(outputs, max_shard_size) if max_shard_size is not None else [list(outputs)]
+    n = len(groups)
+    file_names = [f"{base}.safetensors"] if n <= 1 else [shard_name(base, k + 1, n) for k in range(n)]
+    weight_map: dict[str, str] = {}
+    for file_name, group in zip(file_names, groups or [[]]):
+        tensors = [_ranges(outputs[name], parsed, files, entries, src_index) for name in group]
+        meta = [("format", "pt"), *((d, k) for d, k in ties.items() if k in group)]
+        size = _core.write_assembled(str(out / file_name), [str(folder / s) for s in sources], tensors,
+                                     meta, durable=durable, threads=threads)
+        weight_map.update({name: file_name for name in group})
+        if progress is not None:
+            progress(size)
+    written = {name: "safetensors" for name in file_names}
+    if n > 1:  # the index as fastckpt._io.shards.split_part writes it
+        index = {"metadata": {"total_size": sum(o.nbytes for o in outputs.values())}, "weight_map": weight_map}
+        text = json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        (out / index_name(base)).write_text(text, encoding="utf-8")
+        written[index_name(base)] = "index"
     return written
 
 

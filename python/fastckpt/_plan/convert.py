@@ -39,12 +39,13 @@ from fastckpt._plan.accelerate_format import (
 )
 from fastckpt._plan.accelerate_load import open_model_files
 from fastckpt._plan.save import _shard
+from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.model import collect_model_state
 from fastckpt._state.objects import object_state_payload, read_object_state
 from fastckpt._state.optimizer import optimizer_payload, param_fqns, read_optimizer_state
 from fastckpt._state.rng import FORMAT as RNG_FORMAT
 from fastckpt._state.rng import RngState, read_rng_state
-from fastckpt.errors import HeaderError, KeyMismatchError, ShapeMismatchError
+from fastckpt.errors import HeaderError, KeyMismatchError, MissingStateError, ShapeMismatchError
 
 __all__ = ["Snapshot", "read_snapshot", "convert", "TARGETS"]
 
@@ -323,8 +324,34 @@ def convert(src: Path, dst: Path, *, to: str = "fastckpt", models: list[torch.nn
         raise ValueError(f"DST must not be SRC, inside it, or contain it: {src} -> {dst}")
     if (Path(src) / MANIFEST).is_file():
         verify_checkpoint(src, progress=progress)  # refuse to launder damaged bytes into a freshly checksummed copy
+    if is_sharded_checkpoint(Path(src)):
+        return _consolidate_sharded(Path(src), Path(dst), to=to, max_shard_size=max_shard_size, durable=durable)
     snap = read_snapshot(Path(src), trust_pickle=trust_pickle)
     if models is not None and to == "fastckpt":
         map_positions(snap, models, optimizers)
     write_checkpoint(_plan(snap, to, max_shard_size), Path(dst), durable=durable)
+    return snap
+
+
+def _consolidate_sharded(src: Path, dst: Path, *, to: str, max_shard_size: int | str | None,
+                         durable: bool) -> Snapshot:
+    """``to="hf-model"`` of a sharded (FSDP2 / DTensor) checkpoint: its model's DCP shards consolidated (what
+    ``fastckpt consolidate`` does); the other targets are refused, naming what reads the checkpoint instead.
+
+    Raises:
+        MissingStateError: ``to`` is not ``"hf-model"``.
+    """
+    from fastckpt._io.dcp_consolidate import consolidate
+    from fastckpt._io.shards import parse_size
+
+    if to != "hf-model":
+        raise MissingStateError(f"{src}: a sharded (FSDP2 / DTensor) checkpoint, whose tensors are DCP shards; "
+                                f"--to {to} needs unsharded files. `fastckpt convert --to hf-model` (or `fastckpt "
+                                "consolidate SRC OUT`) writes its model as a Hugging Face folder, and "
+                                "fastckpt.load_state reads it as it is on any number of processes")
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    consolidate(src, dst, max_shard_size=limit, durable=durable)
+    snap = Snapshot(mode="model_only")
+    if (src / "config.json").is_file():
+        snap.config = (src / "config.json").read_text(encoding="utf-8")
     return snap

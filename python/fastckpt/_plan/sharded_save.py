@@ -15,7 +15,11 @@ Session` step, so a process that died or never called it makes the others raise 
    ``state.{fqn}.{name}``.
 5. ``written``: every rank's outcome and RNG states to the main process, which writes the scheduler and optimizer
    JSON, ``config.json``, one ``random_states_{rank}.safetensors`` per rank and the manifest (``"sharded"`` says
-   how to read it), fsyncs the folder and commits it in one step (``_core.commit_dir``).
+   how to read it), fsyncs the folder and commits it in one step (``_core.commit_dir``). A ``model_only`` save
+   first turns each model's DCP shards into the files a one-process model-only save writes (``model.safetensors``,
+   or Hugging Face shards + ``model.safetensors.index.json`` over ``max_shard_size``; byte-identical, assembled by
+   positional copies in the Rust core as ``fastckpt consolidate`` does) and removes the DCP subfolder, so
+   ``from_pretrained`` reads the folder and :func:`fastckpt.load_state` loads it on any number of processes.
 6. ``commit``: the outcome, broadcast: no rank returns before the commit, every rank raises if it failed.
 
 A failure or a death anywhere before the commit leaves the previous checkpoint at the target exact; the staging
@@ -139,18 +143,47 @@ def _small_files(models: list, optimizer_texts: list[str], schedulers: list, *, 
     return texts
 
 
-def _commit(staging: Path, target: Path, plan: SavePlan, sharded: dict[str, Any], *, durable: bool,
-            threads: int) -> None:
-    """Main process: write ``plan``'s files and the manifest into ``staging`` (which holds DCP's), commit it."""
+def _hf_model_files(staging: Path, parts: list[str], aliases: list[dict[str, str]], names: list[list[str]], *,
+                    max_shard_size: int | None, durable: bool, threads: int) -> dict[str, dict[str, Any]]:
+    """Main process, model-only saves: each model part's DCP shards in ``staging/{part}`` -> the files a one-process
+    model-only save writes (``model.safetensors``, or Hugging Face shards + index), assembled by positional copies
+    in the Rust core (``fastckpt consolidate``'s code); the DCP subfolders are removed. Returns their checksums."""
+    from fastckpt._io.dcp_consolidate import write_model_files
+    from fastckpt._io.dcp_files import read_dcp_metadata
+
+    checksums: dict[str, dict[str, Any]] = {}
+    for i, sub in enumerate(parts):
+        folder = staging / sub
+        parsed = read_dcp_metadata(folder)
+        written = write_model_files(folder, parsed, staging, names={n: n for n in names[i]}, aliases=aliases[i],
+                                    base=sub, max_shard_size=max_shard_size, durable=durable, threads=threads)
+        tensor_files = [name for name, kind in written.items() if kind == "safetensors"]
+        sums = _core.checksum_files([str(staging / n) for n in tensor_files], threads=threads)
+        hashes = _core.hash_files([str(staging / n) for n in tensor_files], threads=threads)
+        for name, (size, crc, tensors, _), (xxh3, _) in zip(tensor_files, sums, hashes):
+            checksums[name] = digest_entry((size, crc, tensors or [], xxh3 or []))
+        for name in written.keys() - set(tensor_files):
+            checksums[name] = text_entry((staging / name).read_bytes())
+        shutil.rmtree(folder)
+    return checksums
+
+
+def _commit(staging: Path, target: Path, plan: SavePlan, sharded: dict[str, Any] | None, *, durable: bool,
+            threads: int, checksums: dict[str, dict[str, Any]] | None = None) -> None:
+    """Main process: write ``plan``'s files and the manifest into ``staging`` (which holds DCP's), commit it.
+
+    ``sharded``: the manifest's ``"sharded"`` entry (None: the folder holds no DCP parts); ``checksums``: those of
+    files already in ``staging``."""
     jobs = [(str(staging / p.name), tensor_sources(p.tensors), p.metadata) for p in plan.parts]
     digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=None)
-    checksums = {p.name: digest_entry(d) for p, d in zip(plan.parts, digests)}
+    checksums = {**(checksums or {}), **{p.name: digest_entry(d) for p, d in zip(plan.parts, digests)}}
     for name, text in plan.texts.items():
         data = text if isinstance(text, bytes) else text.encode("utf-8")
         write_text(staging / name, data, durable)
         checksums[name] = text_entry(data)
     files = {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}
-    manifest = manifest_dict(plan.mode, files, {**plan.counts, "sharded": sharded}, plan.step, checksums=checksums)
+    counts = plan.counts if sharded is None else {**plan.counts, "sharded": sharded}
+    manifest = manifest_dict(plan.mode, files, counts, plan.step, checksums=checksums)
     _carry_user_files(target, staging)
     write_text(staging / MANIFEST, json.dumps(manifest, indent=2), durable)
     if durable:
@@ -170,12 +203,14 @@ def save_sharded(
     threads: int,
     timeout: float,
     writer_factory: WriterFactory,
+    max_shard_size: int | None = None,
     add_files: Callable[[SavePlan], None] | None = None,
     what: str = "save_state",
 ) -> Path:
     """Save a sharded training state on every rank into ``target`` (see the module docs); returns ``target``.
 
     Args:
+        max_shard_size: ``model_only`` saves: bytes per model file (None: one ``model.safetensors``).
         add_files: main process only, before the commit: adds parts / texts to the plan of small files
             (``fastckpt.accelerate`` adds the objects the Accelerator tracks).
 
@@ -264,9 +299,14 @@ def save_sharded(
                             plan.counts["processes"] = len(reports)
                         if add_files is not None:
                             add_files(plan)
-                        sharded = {"storage": SHARDED_STORAGE, "world_size": session.world, "aliases": aliases,
-                                   "parts": list(parts), "files": dcp_files}
-                        _commit(staging, target, plan, sharded, durable=durable, threads=threads)
+                        if model_only:  # what a one-process model-only save writes: from_pretrained reads it
+                            sums = _hf_model_files(staging, list(parts), aliases, [list(t) for t in parts.values()],
+                                                   max_shard_size=max_shard_size, durable=durable, threads=threads)
+                            _commit(staging, target, plan, None, durable=durable, threads=threads, checksums=sums)
+                        else:
+                            sharded = {"storage": SHARDED_STORAGE, "world_size": session.world,
+                                       "aliases": aliases, "parts": list(parts), "files": dcp_files}
+                            _commit(staging, target, plan, sharded, durable=durable, threads=threads)
                 except Exception as exc:
                     error = exc
                     outcome = f"{type(exc).__name__}: {exc}"

@@ -344,6 +344,8 @@ def load_state(
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
     targets = [accelerator.unwrap_model(m) for m in models]
     everything = [accelerator.unwrap_model(m) for m in accelerator._models]
+    if fsdp == "SHARDED_STATE_DICT" and model_only and not is_sharded_checkpoint(folder):
+        fsdp = "FULL_STATE_DICT"  # a model-only save's files (what FSDP2 model-only saves write): full tensors
     if is_sharded_checkpoint(folder) or fsdp == "SHARDED_STATE_DICT":
         result = load_sharded_state(accelerator, folder, targets, model_only=model_only, strict=strict,
                                trust_pickle=trust_pickle, timeout=timeout)

@@ -1,6 +1,6 @@
 """FSDP2 under ``fastckpt.accelerate``: ``SHARDED_STATE_DICT`` saves and loads through torch.distributed.checkpoint
-and the storage plugin (:mod:`fastckpt._plan.sharded_save` / ``sharded_load``), and phase 1 of a
-``FULL_STATE_DICT`` load (the full state read and checked before anything changes).
+and the storage plugin (:mod:`fastckpt._plan.sharded_save` / ``sharded_load``); phase 1 of a ``FULL_STATE_DICT``
+load is :func:`fastckpt._plan.full_load.plan_full`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 from fastckpt._io.distributed import Session, on_main
 from fastckpt._io.layout import rotate_checkpoints
+from fastckpt._plan.full_load import plan_full
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 from fastckpt.accelerate.project import choose_target, project_root
@@ -18,36 +19,6 @@ from fastckpt.checkpoint import LoadResult, dcp_storage_reader, dcp_storage_writ
 from fastckpt.errors import MissingStateError
 
 __all__ = ["plan_full", "save_sharded_state", "load_sharded_state"]
-
-
-def plan_full(folder: Path, models: list, optimizers: list, *, model_only: bool, strict: bool,
-               layout: str) -> list:
-    """FSDP2 FULL_STATE_DICT load, phase 1: every model's and optimizer's full state, checked (nothing changes)."""
-    from fastckpt._io.layout import part_name, read_manifest
-    from fastckpt._io.shards import open_state_file, open_state_files
-    from fastckpt._state.sharded import owner_model
-    from fastckpt._state.sharded_full import read_full_model, read_full_optimizer
-
-    if layout != "fastckpt":
-        raise MissingStateError(f"{folder}: FSDP2 FULL_STATE_DICT loads fastckpt's layout; convert accelerate's "
-                                "files first (fastckpt convert)")
-    manifest = read_manifest(folder, model_files_only=model_only)
-    if not model_only and optimizers and manifest.get("mode") == "model_only":
-        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer.safetensors; load "
-                                "it with model_only=True. Nothing was changed.")
-    out: list = []
-    for i, m in enumerate(models):
-        base = part_name("model", i, "")
-        state, missing, unexpected = read_full_model(open_state_files(folder, base, f"model {i}"), m, strict=strict,
-                                                     where=f"{folder} ({base})")
-        out.append(("model", m, state, missing, unexpected))
-    for j, opt in enumerate([] if model_only else optimizers):
-        base = part_name("optimizer", j, "")
-        owner = owner_model(opt, models, base)
-        osd = read_full_optimizer(open_state_file(folder, base, f"optimizer {j}"), owner, opt, strict=strict,
-                                  where=f"{folder / (base + '.safetensors')}")
-        out.append(("optimizer", owner, opt, osd))
-    return out
 
 
 def save_sharded_state(accelerator: Any, output_dir: Any, *, model_only: bool, durable: bool, threads: int,
