@@ -441,12 +441,11 @@ def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list
                                     "checkpoints saved from sharded models")
         if verify:
             verify_checkpoint(folder, threads=threads)
-    except Exception as exc:
+    except Exception as exc:  # reported to every rank with the validation (plan_sharded_load's one round)
         error = exc
-    session.agree(error, step="arrive")
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              session=session, reader_factory=dcp_storage_reader,
-                             rng_rank=None if model_only else session.rank)
+                             rng_rank=None if model_only else session.rank, failed=error)
     plan.apply()
     return LoadResult(plan.missing_keys, plan.unexpected_keys)
 

@@ -138,6 +138,49 @@ def scenario_failures(rank: int, world: int) -> None:
     checks["shape_unchanged"] = same(full_state(wide, wopt), before) and not wopt.state
 
 
+def counted_rounds(fn) -> dict[str, int]:
+    """Collective rounds ``fn()`` makes on this rank: fastckpt's store steps, torch.distributed object collectives."""
+    from fastckpt._io.distributed import Session
+
+    counts = {"store steps": 0, "collectives": 0}
+    saved = {name: getattr(dist, name) for name in ("gather_object", "scatter_object_list", "broadcast_object_list",
+                                                    "all_gather_object", "barrier", "all_reduce")}
+    steps = {name: getattr(Session, name) for name in ("gather", "broadcast")}
+
+    def wrap_collective(f):
+        def call(*args, **kwargs):
+            counts["collectives"] += 1
+            return f(*args, **kwargs)
+        return call
+
+    def wrap_step(f):
+        def call(self, *args, **kwargs):
+            counts["store steps"] += self.active
+            return f(self, *args, **kwargs)
+        return call
+
+    try:
+        for name, f in saved.items():
+            setattr(dist, name, wrap_collective(f))
+        for name, f in steps.items():
+            setattr(Session, name, wrap_step(f))
+        fn()
+    finally:
+        for name, f in saved.items():
+            setattr(dist, name, f)
+        for name, f in steps.items():
+            setattr(Session, name, f)
+    return counts
+
+
+def scenario_rounds(rank: int, world: int) -> None:
+    model, opt, sched = fresh("tiny")
+    target = OUT / f"w{world}_rounds"
+    checks["rounds_save"] = counted_rounds(lambda: fastckpt.save_state(model, opt, sched, output_dir=target))
+    checks["rounds_resave"] = counted_rounds(lambda: fastckpt.save_state(model, opt, sched, output_dir=target))
+    checks["rounds_load"] = counted_rounds(lambda: fastckpt.load_state(model, opt, sched, input_dir=target))
+
+
 def scenario_timeout(rank: int, world: int) -> None:
     model, opt, sched = fresh("tiny")
     target = OUT / f"w{world}_timeout"
@@ -162,6 +205,7 @@ def main() -> None:
         if world != 2:
             record("scenario_model_only", lambda: scenario_model_only_rules(rank))
             record("scenario_failures", lambda: scenario_failures(rank, world))
+        record("scenario_rounds", lambda: scenario_rounds(rank, world))
         if world >= 2:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
     except Exception:

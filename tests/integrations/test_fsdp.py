@@ -228,3 +228,14 @@ def test_convert_to_hf_model_consolidates_a_sharded_checkpoint(runs, one_thread,
                            "--to", "fastckpt"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "MissingStateError" in proc.stderr and "fastckpt consolidate" in proc.stderr
     assert not (tmp_path / "fc").exists()
+
+
+def test_collective_rounds_do_not_grow_with_the_world_size(runs):
+    """Planning that scales (accelerate#4099): a sharded save and load make the same number of collective rounds
+    on 2 and on 4 processes, on every rank; a load makes one round of its own to agree, DCP's to read."""
+    _, results = runs
+    for op in ("rounds_save", "rounds_resave", "rounds_load"):
+        counts = [res[op] for w in (2, 4) for res in results[w]]
+        assert all(c == counts[0] for c in counts), (op, counts)
+    load = results[2][0]["rounds_load"]
+    assert load["store steps"] == 2, load  # validate: gather + broadcast; no arrive or read steps of its own

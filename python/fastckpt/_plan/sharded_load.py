@@ -3,7 +3,7 @@ FSDP2 / DTensor models or plain ones (one process, no process group needed).
 
 Phase 1 (:func:`plan_sharded_load`, every rank): read the manifest and the small files, check every name, shape
 and dtype against the DCP metadata, build empty destination tensors shaped like the live ones (DTensors keep their
-placements, so DCP reshards from whatever world size saved them) and let DCP fill them; then every rank agrees. A
+placements, so DCP reshards from whatever world size saved them), every rank agrees (one round), and DCP fills them. A
 failure on any rank raises on every rank and nothing live has changed (the optimizer is not even initialised).
 
 Phase 2 (:meth:`ShardedLoad.apply`): ``set_model_state_dict`` and ``set_optimizer_state_dict``, called separately
@@ -94,19 +94,23 @@ def _read_json(folder: Path, name: str, what: str) -> Any:
 
 def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                       strict: bool, session: Session, reader_factory: ReaderFactory,
-                      rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None) -> ShardedLoad:
+                      rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None,
+                      failed: BaseException | None = None) -> ShardedLoad:
     """Phase 1 on this rank (see the module docs): validate and read; nothing live changes.
 
     ``extra(load)``: reads and validates more state into ``load.objects`` (``fastckpt.accelerate``'s tracked
-    objects), before any rank reads the shards.
+    objects), before any rank reads the shards. ``failed``: this rank's error from the caller's own checks
+    (reported to every rank at the same step as the validation: one round, not two).
 
     Raises:
         MissingStateError: a part asked for is absent (a full load of a model-only checkpoint names them).
         KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError: see
             :func:`fastckpt.load_state`.
     """
-    error: BaseException | None = None
+    error: BaseException | None = failed
     try:
+        if failed is not None:
+            raise failed
         found = _validate(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                           reader_factory=reader_factory, rng_rank=rng_rank)
         if extra is not None and not model_only:
@@ -115,12 +119,8 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
         error = exc
     session.agree(error, step="validate")
     load, dest, readers, served, saved_optimizers = found
-    try:
-        for sub, state in dest.items():
-            _dcp_load(state, readers[sub], session)
-    except Exception as exc:
-        error = exc
-    session.agree(error, step="read")
+    for sub, state in dest.items():  # a failure on any rank raises on every rank (DCP's rounds): nothing applied
+        _dcp_load(state, readers[sub], session)
     return _assemble(load, dest, models, served, saved_optimizers)
 
 

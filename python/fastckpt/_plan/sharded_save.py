@@ -104,7 +104,9 @@ def original_error(exc: BaseException) -> BaseException:
 
 def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
     """``dcp.save`` / ``dcp.load`` of ``state`` on every process (over a gloo group with the session's timeout),
-    or in this process alone without a process group; a rank's own error is raised, not DCP's wrapper."""
+    or in this process alone without a process group; a rank's own error is raised, not DCP's wrapper. DCP
+    raises on every rank when any rank failed (its planning and its read / write rounds gather every rank's
+    outcome), so no extra round is needed to agree: the others raise CheckpointError naming that process."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -115,6 +117,15 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
                 warnings.simplefilter("ignore", UserWarning)
                 call(state, no_dist=True, **storage)
     except CheckpointException as exc:
+        failures = getattr(exc, "failures", None) or {}
+        rank = session.rank
+        if failures and rank not in failures:  # DCP raises on every rank: name the one where it happened
+            from fastckpt.errors import CheckpointError
+
+            other = min(failures)
+            cause = failures[other][0] if isinstance(failures[other], tuple) else failures[other]
+            raise CheckpointError(f"{session.what} failed on process {other}: {type(cause).__name__}: {cause}; "
+                                  "nothing was changed on any process") from exc
         raise original_error(exc) from exc
 
 

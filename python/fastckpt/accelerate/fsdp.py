@@ -57,15 +57,15 @@ def load_sharded_state(accelerator: Any, folder: Path, models: list, *, model_on
             raise MissingStateError(f"{folder}: not a sharded checkpoint; FSDP2 SHARDED_STATE_DICT loads folders "
                                     "saved with SHARDED_STATE_DICT (switch state_dict_type to FULL_STATE_DICT "
                                     "to load single-file ones)")
-    except Exception as exc:
+    except Exception as exc:  # reported to every rank with the validation (plan_sharded_load's one round)
         error = exc
-    session.agree(error, step="arrive")
     plan = plan_sharded_load(folder, models, list(accelerator._optimizers), list(accelerator._schedulers),
                              model_only=model_only, strict=strict, session=session,
                              reader_factory=dcp_storage_reader,
                              rng_rank=None if model_only else int(accelerator.process_index),
                              extra=lambda load: plan_tracked_objects(load, folder, accelerator, layout="fastckpt",
-                                                                     trust_pickle=trust_pickle))
+                                                                     trust_pickle=trust_pickle),
+                             failed=error)
     plan.apply()
     if plan.step is not None:
         accelerator.step = plan.step

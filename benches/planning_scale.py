@@ -1,0 +1,219 @@
+"""The coordinator's planning cost at 1024-4096 ranks, modelled in one process on synthetic per-rank plans.
+
+Usage::
+
+    python benches/planning_scale.py                    # ranks 256..4096; prints the table
+    python benches/planning_scale.py --ranks 1024,2048,4096 --tensors 32
+
+No process group: the same code a sharded save / load runs on the coordinator is fed the plans N ranks would send
+for an FSDP2 model (every weight and bias ``Shard(0)`` over the N ranks, AdamW's ``exp_avg`` / ``exp_avg_sq`` alike,
+its ``step`` replicated on every rank, as FSDP2 gives them):
+
+- ``global plan``: DCP's ``DefaultSavePlanner.create_global_plan`` (dedup of the replicated items, the metadata
+  merge, the chunk-overlap validation), with and without plan caching (``enable_plan_caching=True``, the second
+  save of an unchanged state);
+- ``writer``: ``fastckpt.dcp.StorageWriter.prepare_global_plan`` and ``finish`` (every rank's write results merged
+  into ``dcp_metadata.json``, written);
+- ``manifest``: fastckpt's manifest merge (:func:`fastckpt._io.layout.manifest_dict` over every rank's shard file
+  and RNG file, serialised);
+- ``rank load plan``: one rank's own load planning (``DefaultLoadPlanner`` over the merged metadata, for its own
+  rows of every tensor), which DCP runs on every rank.
+
+Work is counted as Python function calls (``sys.setprofile``: every ``call`` and ``c_call`` event), which is
+deterministic; wall seconds are printed beside it. ``ops ratio`` is each world's count over the previous world's:
+at most ~2 when a world twice as large costs at most twice as much (linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROWS_PER_RANK = 4
+COLS = 64
+PROFILE = True  # count calls (sys.setprofile); --wall-only times without the profiler's overhead
+
+
+def _index(fqn: str, offsets: tuple[int, ...]) -> Any:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(fqn, torch.Size(offsets))
+
+
+def rank_plans(world: int, tensors: int) -> list[Any]:
+    """The ``SavePlan`` each of ``world`` ranks sends for the model + AdamW state (see the module docs)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    props = TensorProperties(dtype=torch.float32)
+    plans = []
+    for r in range(world):
+        items = []
+        for t in range(tensors):
+            for name, shape in ((f"layers.{t}.weight", (world * ROWS_PER_RANK, COLS)),
+                                (f"layers.{t}.bias", (world * ROWS_PER_RANK,))):
+                for state in ("", "state.exp_avg.", "state.exp_avg_sq."):
+                    offsets = (r * ROWS_PER_RANK,) + (0,) * (len(shape) - 1)
+                    sizes = (ROWS_PER_RANK,) + shape[1:]
+                    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                    items.append(WriteItem(_index(state + name, offsets), WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(chunk, props, torch.Size(shape))))
+                step = ChunkStorageMetadata(torch.Size([]), torch.Size([]))
+                items.append(WriteItem(_index(f"state.step.{name}", ()), WriteItemType.TENSOR,
+                                       tensor_data=TensorWriteData(step, props, torch.Size([]))))
+        plans.append(SavePlan(items))
+    return plans
+
+
+def count_ops(fn: Callable[[], Any]) -> tuple[int, float, Any]:
+    """``(Python and C function calls made by fn(), wall seconds, fn's result)``."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" or event == "c_call":
+            calls += 1
+
+    start = time.perf_counter()
+    if PROFILE:
+        sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return calls, time.perf_counter() - start, out
+
+
+def global_plan(plans: list[Any], *, caching: bool = False) -> tuple[list[Any], Any]:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=caching)
+    planner._cached_plans_key = "fastckpt-planning-scale"
+    return planner.create_global_plan(plans)
+
+
+def writer_merge(world: int, plans: list[Any], metadata: Any, folder: pathlib.Path) -> dict[str, Any]:
+    """The fastckpt.dcp writer's coordinator steps on ``plans``: storage data per rank, then ``finish``."""
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    import fastckpt.dcp
+    from fastckpt.dcp.writer import _chunk_name, shard_file_name
+
+    writer = fastckpt.dcp.StorageWriter(folder, commit=False, durable=False)
+    writer.set_up_storage_writer(True)
+    final = writer.prepare_global_plan(plans)
+    results = []
+    for plan in final:
+        file = plan.storage_data["file"]
+        digest = (1 << 20, 0, [], [])
+        rank_results = []
+        for item in plan.items:
+            chunk = item.tensor_data.chunk
+            name = _chunk_name(item.index.fqn, chunk.offsets, chunk.sizes, item.tensor_data.size)
+            rank_results.append(WriteResult(index=item.index, size_in_bytes=4, storage_data={
+                "file": file, "name": name, "digest": (file, digest)}))
+        results.append(rank_results)
+    writer.finish(metadata, results)
+    assert set(writer.files) >= {shard_file_name(r, world) for r, p in enumerate(final) if p.items}
+    return writer.files
+
+
+def manifest_merge(world: int, dcp_files: dict[str, Any]) -> str:
+    """fastckpt's manifest of a sharded save with ``world`` RNG files and the DCP part's files."""
+    import json
+
+    from fastckpt._io.layout import manifest_dict, random_states_name
+
+    files = {random_states_name(r): 2048 for r in range(world)}
+    checksums = {name: {"crc32c": "00000000"} for name in files}
+    sharded = {"storage": "fastckpt.dcp", "world_size": world, "aliases": [{}], "parts": ["model"],
+               "files": {f"model/{k}": v for k, v in dcp_files.items()}}
+    counts = {"models": 1, "optimizers": 1, "schedulers": 0, "processes": world, "sharded": sharded}
+    return json.dumps(manifest_dict("full", files, counts, 0, checksums=checksums), indent=2)
+
+
+def rank_load_plan(world: int, tensors: int, metadata: Any) -> Any:
+    """Rank ``world // 2``'s own DCP load plan over the merged metadata (its rows of every tensor)."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: F401  (DCP's plan items)
+
+    r = world // 2
+    state: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if len(md.size) == 0:
+            state[fqn] = torch.empty(())
+    # plain local tensors cannot say which rows they are: planning them as DCP plans a rank's DTensor shard
+    # needs the shard's offsets, so the overlap test below is what DCP runs (create_read_items_for_chunk_list)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    items = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if len(md.size) == 0:
+            continue
+        offsets = (r * ROWS_PER_RANK,) + (0,) * (len(md.size) - 1)
+        sizes = (ROWS_PER_RANK,) + tuple(md.size[1:])
+        items += create_read_items_for_chunk_list(fqn, md, [ChunkStorageMetadata(torch.Size(offsets),
+                                                                                torch.Size(sizes))])
+    plan = create_default_local_load_plan(state, metadata, strict=False)
+    return len(items) + len(plan.items)
+
+
+def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
+    """Ops and seconds of each coordinator step (and one rank's load planning) at ``world`` ranks."""
+    plans = rank_plans(world, tensors)
+    out: dict[str, tuple[int, float]] = {}
+    ops, secs, (final, metadata) = count_ops(lambda: global_plan(plans))
+    out["global plan"] = (ops, secs)
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
+        cache.pop("fastckpt-planning-scale", None)
+    global_plan(plans, caching=True)  # the first save fills the cache
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    unchanged = [SavePlan([], usable=False) for _ in range(world)]  # what ranks send when their plan is cached
+    ops, secs, _ = count_ops(lambda: global_plan(unchanged, caching=True))
+    out["global plan, cached"] = (ops, secs)
+    with tempfile.TemporaryDirectory(prefix="fastckpt-scale-") as tmp:
+        ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, pathlib.Path(tmp) / "model"))
+    out["writer"] = (ops, secs)
+    ops, secs, _ = count_ops(lambda: manifest_merge(world, files))
+    out["manifest"] = (ops, secs)
+    out["coordinator total"] = (sum(out[k][0] for k in ("global plan", "writer", "manifest")),
+                                sum(out[k][1] for k in ("global plan", "writer", "manifest")))
+    ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
+    out["rank load plan"] = (ops, secs)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="256,512,1024,2048,4096")
+    parser.add_argument("--tensors", type=int, default=16, help="Linear layers (weight + bias each)")
+    parser.add_argument("--wall-only", action="store_true", help="time without counting calls (no profiler)")
+    args = parser.parse_args()
+    global PROFILE
+    PROFILE = not args.wall_only
+    sys.path.insert(0, str(ROOT / "python"))
+    worlds = [int(w) for w in args.ranks.split(",")]
+    print(f"synthetic FSDP2 plans: {args.tensors} x (weight [{ROWS_PER_RANK}N, {COLS}] + bias [{ROWS_PER_RANK}N]) "
+          "+ AdamW (exp_avg, exp_avg_sq sharded, step replicated); N ranks; ops = Python/C calls, s = wall")
+    print("| step | " + " | ".join(f"N={w}" for w in worlds) + " | ops ratio per doubling |")
+    print("|---|" + "---|" * (len(worlds) + 1))
+    rows = {w: measure(w, args.tensors) for w in worlds}
+    for step in rows[worlds[0]]:
+        cells = [f"{rows[w][step][1]:.3f} s ({rows[w][step][0] / 1e6:.2f} M ops)" for w in worlds]
+        ratios = [rows[b][step][0] / max(1, rows[a][step][0]) for a, b in zip(worlds, worlds[1:])]
+        print(f"| {step} | " + " | ".join(cells) + " | " + ", ".join(f"{x:.2f}" for x in ratios) + " |")
+
+
+if __name__ == "__main__":
+    main()
