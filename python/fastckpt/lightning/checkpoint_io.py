@@ -109,6 +109,7 @@ class CheckpointIO(_LightningCheckpointIO):
         if target.is_symlink():  # last.ckpt -> a top-k checkpoint (save_last="link"): replace the link only
             wait_for_saves_to(Path(os.path.realpath(target)))
             target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)  # now, not on the writer thread: Lightning links into it
         state = dict(checkpoint)
         state.setdefault(RNG_KEY, _collect_rng_states(include_cuda=torch.cuda.is_available()))
         save(state, target, trust_pickle=self.trust_pickle, async_save=self.async_save,
