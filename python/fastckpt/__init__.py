@@ -32,22 +32,28 @@ from fastckpt.errors import (
 
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
-_LAZY_SUBMODULES = ("accelerate", "torch", "cli", "demo")
+_LAZY_SUBMODULES = ("accelerate", "torch", "cli", "demo", "lightning")
+#: public functions loaded on first use, from the module that holds them
+_LAZY_FUNCTIONS = {"save": "plain", "load": "plain"}
 
 
 def __getattr__(name: str):
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _LAZY_SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY_FUNCTIONS:
+        return getattr(importlib.import_module(f".{_LAZY_FUNCTIONS[name]}", __name__), name)
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES) | set(_LAZY_FUNCTIONS))
 
 
 __all__ = [
+    "save",
+    "load",
     "save_state",
     "load_state",
     "latest_checkpoint",

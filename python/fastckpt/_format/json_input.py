@@ -32,10 +32,11 @@ def load_json(text: str | bytes, where: str, expect: type | tuple[type, ...] = d
     return value
 
 
-def decode_json(data: Any, where: str, *, tensors: Callable[[str], Any] | None = None) -> Any:
+def decode_json(data: Any, where: str, *, tensors: Callable[[str], Any] | None = None,
+                pickled: Callable[[int], Any] | None = None) -> Any:
     """:func:`fastckpt._format.codec.decode` of untrusted data; malformed tags become a HeaderError naming ``where``."""
     try:
-        return decode(data, tensors=tensors)
+        return decode(data, tensors=tensors, pickled=pickled)
     except CheckpointError:
         raise
     except _MALFORMED as exc:

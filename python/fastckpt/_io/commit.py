@@ -35,7 +35,7 @@ from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.files import SavePlan
 from fastckpt._io.in_place import commit_in_place, in_place_reason
 from fastckpt._io.integrity import digest_entry, text_entry
-from fastckpt._io.layout import MANIFEST, SAVE_ID_KEY, manifest_dict
+from fastckpt._io.layout import DICT_PICKLE, DICT_STRUCTURE, DICT_TENSORS, MANIFEST, SAVE_ID_KEY, manifest_dict
 from fastckpt._io.log import log_save
 from fastckpt._io.staging import OwnedPath, clean_leftovers, remember_scanned
 
@@ -130,7 +130,8 @@ def _is_layout_name(name: str) -> bool:
 
 def _is_own_entry(name: str) -> bool:
     """Part of a checkpoint (or fastckpt's own hidden entries in it), not a file the user keeps there."""
-    return name == MANIFEST or _is_layout_name(name) or name.startswith(".fastckpt")
+    return (name == MANIFEST or _is_layout_name(name) or name.startswith(".fastckpt")
+            or name in (DICT_TENSORS, DICT_STRUCTURE, DICT_PICKLE))
 
 
 def foreign_entries(target: Path, limit: int = FOREIGN_LIMIT) -> list[str] | None:

@@ -12,6 +12,11 @@ first has none, then ``_1``, ``_2``...):
 ``fastckpt.json``                      the manifest, written last: a folder without it is unfinished
 =====================================  ==============================================================
 
+A plain checkpoint dict (``fastckpt.save(obj, path)``, see :mod:`fastckpt._plan.dict_save`) is a folder of its
+own layout (manifest ``"layout": "dict"``, ``"mode": "dict"``): ``state.safetensors`` (every tensor),
+``state.json`` (the rest of the structure, exact JSON), ``state.pkl`` only when saved with ``trust_pickle=True``
+and a value needed pickle, and ``fastckpt.json``.
+
 With ``max_shard_size`` a model or optimizer file over the limit becomes ``{base}-0000k-of-0000N.safetensors`` plus
 ``{base}.safetensors.index.json`` (see :mod:`fastckpt._io.shards`); ``fastckpt.accelerate`` adds the Accelerator's
 other objects (see :mod:`fastckpt.accelerate.tracked_objects`); ``compat="accelerate"`` writes accelerate's own files (see
@@ -47,7 +52,8 @@ __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
     "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY", "listed_files",
-    "unlisted_files", "count_problems",
+    "unlisted_files", "count_problems", "DICT_LAYOUT", "DICT_TENSORS", "DICT_STRUCTURE", "DICT_PICKLE",
+    "remove_checkpoint_dir",
 ]
 
 MANIFEST = "fastckpt.json"
@@ -55,6 +61,11 @@ SAVE_ID_KEY = "fastckpt.save_id"  # in every safetensors file's metadata and (as
 CHECKPOINTS_DIR = "checkpoints"  # full checkpoints with automatic naming
 MODEL_ONLY_DIR = "model_only"  # model-only snapshots with automatic naming
 FORMAT_VERSION = 1
+DICT_LAYOUT = "dict"  # the manifest's layout (and mode) of a plain checkpoint dict
+DICT_TENSORS = "state.safetensors"
+DICT_STRUCTURE = "state.json"
+DICT_PICKLE = "state.pkl"
+_DICT_FILES_RE = re.compile(r"^state\.(safetensors|json|pkl)$")
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 _FASTCKPT_ONLY_RE = re.compile(
     r"^(random_states_\d+\.safetensors|optimizer(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
@@ -89,9 +100,9 @@ def listed_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def unlisted_files(folder: Path, manifest: dict[str, Any]) -> list[str]:
     """The files in ``folder`` a load would open (model*/optimizer*/random_states_* safetensors, shard indexes,
     scheduler*/optimizer*.json, a sharded save's part files) that its manifest does not list; sorted."""
-    if manifest.get("layout") not in (None, "accelerate"):
+    if manifest.get("layout") not in (None, "accelerate", DICT_LAYOUT):
         return []  # fastckpt.dcp's own folders ("layout": "dcp") list their files themselves
-    pattern = _ACCELERATE_RE if manifest.get("layout") == "accelerate" else _EXPECTED_RE
+    pattern = {"accelerate": _ACCELERATE_RE, DICT_LAYOUT: _DICT_FILES_RE}.get(manifest.get("layout"), _EXPECTED_RE)
     listed = listed_files(manifest)
     found = [n for n in os.listdir(folder) if pattern.match(n) and n not in listed and (folder / n).is_file()]
     sharded = manifest.get("sharded")
@@ -262,7 +273,7 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
         value = manifest.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise bad(f"{key!r} must be a non-negative integer, got {value!r}")
-    modes = ("dcp",) if manifest.get("layout") == "dcp" else ("full", "model_only")  # fastckpt.dcp's own folders
+    modes = {"dcp": ("dcp",), DICT_LAYOUT: (DICT_LAYOUT,)}.get(manifest.get("layout"), ("full", "model_only"))
     if manifest.get("mode") not in modes:
         raise bad(f"'mode' must be {' or '.join(map(repr, modes))}, got {manifest.get('mode')!r}")
     _check_sharing_fields(bad, manifest)
@@ -412,14 +423,24 @@ def rotate_checkpoints(project_dir: Path, total_limit: int, *, model_only: bool 
     Each is first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it stops counting at once and a
     removal cut short never leaves a half-deleted ``checkpoint_N`` behind; the next save clears such leftovers.
     """
-    from fastckpt._io.staging import OwnedPath
-
     if total_limit < 1:
         raise ValueError(f"total_limit must be >= 1, got {total_limit}")
     numbers = checkpoint_numbers(project_dir, model_only=model_only, full_only=not model_only)
     removed = []
     for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
-        with OwnedPath(numbers[n].parent, numbers[n].name, "trash") as trash:
-            os.rename(numbers[n], trash.path)
+        remove_checkpoint_dir(numbers[n])
         removed.append(numbers[n])
     return removed
+
+
+def remove_checkpoint_dir(folder: Path) -> None:
+    """Remove the checkpoint folder ``folder``: renamed to an owned trash name first (it stops counting at once;
+    a removal cut short leaves no half-deleted checkpoint, and the next save clears the trash), then deleted.
+
+    Raises:
+        FileNotFoundError: nothing is at ``folder``. OSError: it cannot be renamed (permissions).
+    """
+    from fastckpt._io.staging import OwnedPath
+
+    with OwnedPath(folder.parent, folder.name, "trash") as trash:
+        os.rename(folder, trash.path)

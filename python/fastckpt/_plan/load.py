@@ -106,6 +106,9 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
                                     map_location=map_location, trust_pickle=trust_pickle, rank=rank,
                                     manifest_mode=mode, cast=cast)
     manifest = read_manifest(folder, model_files_only=model_only)
+    if manifest.get("layout") == "dict":
+        raise MissingStateError(f"{folder}: a checkpoint dict saved by fastckpt.save (state.safetensors + state.json), "
+                                "not a training state; read it with fastckpt.load. Nothing was changed.")
     if model_only:
         optimizers, schedulers = [], []
     saved = {k: int(manifest.get(k, 0)) for k in ("models", "optimizers", "schedulers")}

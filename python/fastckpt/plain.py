@@ -1,0 +1,163 @@
+"""``fastckpt.save`` / ``fastckpt.load``: plain checkpoint dicts, where ``torch.save`` / ``torch.load`` are used.
+
+Nested dicts, lists and tuples of tensors and plain values become one crash-safe checkpoint folder: the tensors
+in ``state.safetensors`` (written by the Rust core in one parallel pass straight from tensor memory, tied tensors
+once), the structure as exact JSON in ``state.json`` (no pickle), and the manifest (see
+:mod:`fastckpt._plan.dict_save` for the files). What comes back has the types that went in: integer and tuple
+keys, tuples vs lists, OrderedDict, None, inf/nan, numpy scalars, ``torch.dtype`` / ``torch.device`` /
+``torch.Size``, ``nn.Parameter``. A flat ``{str: tensor}`` dict is a plain safetensors file that
+``safetensors.torch.load_file(path + "/state.safetensors")`` reads as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from fastckpt._io.async_stream import submit_stream
+from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
+from fastckpt._io.commit import check_target, write_checkpoint
+from fastckpt._io.folder import RETRIES, pinned
+from fastckpt._io.integrity import verify_checkpoint
+from fastckpt._io.snapshot import has_device_tensors
+from fastckpt._plan.dict_load import read_dict_checkpoint
+from fastckpt._plan.dict_save import build_dict_plan
+from fastckpt._plan.load import check_input_dir
+from fastckpt.errors import CheckpointChangedError
+
+__all__ = ["save", "load"]
+
+
+def save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    trust_pickle: bool = False,
+    async_save: bool | str = False,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    host_memory_budget: int | str | None = None,
+    durable: bool = True,
+    threads: int = 0,
+) -> Path | AsyncSave:
+    """Save a checkpoint dict to the folder ``path``, crash-safely and without pickle.
+
+    Args:
+        obj: a dict, list or tuple, nested, of tensors (any dtype safetensors stores, CPU or CUDA) and plain
+            values: None, bool, int, float (inf and nan too), str, bytes, numpy scalars and arrays, ``torch.dtype``,
+            ``torch.device``, ``torch.Size``, dict / OrderedDict / Counter (any hashable keys of these kinds),
+            list, tuple, set, frozenset.
+        path: the checkpoint folder; replaced atomically if it exists (the previous one stays until the commit).
+        trust_pickle: values of other types (custom objects, namedtuples, enums, functions) are written to the
+            pickle part ``state.pkl``, which only ``load(..., trust_pickle=True)`` reads; default False refuses
+            them.
+        async_save: ``True``: return at once; tensors are written in the background. With ``optimizers``, their
+            parameters and state are streamed from the live tensors and only each optimizer's next ``step()``
+            waits (see ``save_state``); without, as ``"snapshot"``. ``"snapshot"``: the tensors are copied at the
+            call into a reused host buffer pool, then written. The structure (JSON, pickle part) is made at the
+            call either way. At most one async save is in flight.
+        optimizers: the optimizers whose parameters and state ``obj`` holds (for ``async_save=True``).
+        host_memory_budget: ``async_save=True`` with ``optimizers``: host bytes the copies may use (an int or
+            ``"4GB"``); None: as needed.
+        durable: fsync every file and folder before the commit (default True).
+        threads: writer threads; 0 picks min(8, cores).
+
+    Returns:
+        The committed folder (absolute); with ``async_save``, an :class:`~fastckpt.AsyncSave` whose ``wait()``
+        returns it once committed.
+
+    Raises:
+        TypeError: ``obj`` is not a dict, list or tuple, or a value needs pickle and ``trust_pickle`` is False (names
+            its key path, e.g. ``checkpoint.hyper_parameters.activation``, and its type).
+        DtypeError / MetaTensorError / ValueError: a tensor the format cannot hold (names it).
+        ValueError: a bad ``async_save`` or ``threads``. NotADirectoryError: ``path`` is a file.
+        OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
+
+    Example:
+        >>> fastckpt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 100}, "ckpt")
+        >>> state = fastckpt.load("ckpt")
+        >>> optimizer.load_state_dict(state["optimizer"])
+    """
+    if async_save not in (False, True, "snapshot"):
+        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
+    opts = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    for i, opt in enumerate(opts):
+        if not hasattr(opt, "param_groups") or not hasattr(opt, "register_step_pre_hook"):
+            raise TypeError(f"optimizers[{i}] is a {type(opt).__name__}, expected a torch.optim.Optimizer")
+    finish_pending(wait=async_save != "snapshot")
+    target = check_target(path)
+    plan = build_dict_plan(obj, trust_pickle=trust_pickle)
+    write = functools.partial(write_checkpoint, durable=durable, threads=threads)
+    if async_save is True and opts:
+        return submit_stream(plan, opts, target, write=write, budget=host_memory_budget)
+    if async_save:
+        return submit(plan, target, write=write, blocking=False)
+    if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
+        return submit(plan, target, write=write, blocking=True).wait()
+    write(plan, target)
+    return target
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device | dict[str, str] | None = None,
+    trust_pickle: bool = False,
+    verify: bool = False,
+    threads: int = 0,
+) -> Any:
+    """Load what :func:`save` wrote to the folder ``path``: every file is checked first, then the object built.
+
+    Args:
+        path: a folder written by :func:`save` (a symlink to one is followed).
+        map_location: where tensors land: a device (``"cpu"``, ``"cuda:0"``, ``torch.device``), or a
+            ``{saved device: device}`` dict as ``torch.load`` takes; None: the device each tensor was saved from.
+            CPU tensors are zero-copy views of a private mapping of the file (writing to them never reaches it).
+        trust_pickle: read the pickle part ``state.pkl`` (written by ``save(..., trust_pickle=True)``).
+            Unpickling can run arbitrary code: only for checkpoints you trust.
+        verify: first read every file and compare sizes and crc32c checksums with the manifest
+            (see :func:`fastckpt.verify_checkpoint`).
+        threads: reader threads for ``verify``; 0 picks min(8, cores).
+
+    Returns:
+        The saved object, with its types (see the module docs); tied tensors share their storage again.
+
+    Raises:
+        MissingStateError: no such folder, no manifest, or a folder saved by ``save_state`` (another layout).
+        HeaderError / IntegrityError: a damaged, truncated or inconsistent checkpoint (names the file and tensor).
+        UnsafePickleError: the checkpoint has a pickle part and ``trust_pickle`` is False (names the part and the
+            key paths it holds).
+        ValueError: a tensor saved from a device this machine lacks (pass ``map_location``), or a bad
+            ``map_location``.
+        CheckpointChangedError: other saves replaced the folder while it was read, 5 times in a row.
+    """
+    _check_map_location(map_location)
+    folder = check_input_dir(Path(path))
+    wait_for_saves_to(folder.absolute())
+    for attempt in range(RETRIES):  # another save may replace the folder while it is read: start over
+        try:
+            with pinned(folder) as handle:
+                if verify:
+                    verify_checkpoint(handle, threads=threads)
+                return read_dict_checkpoint(handle, map_location=map_location, trust_pickle=trust_pickle)
+        except CheckpointChangedError:
+            if attempt == RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check_map_location(map_location: Any) -> None:
+    devices = map_location.values() if isinstance(map_location, dict) else [map_location]
+    for device in devices:
+        if device is None:
+            continue
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"map_location {map_location!r} is not a torch device (or a dict of them): {exc}") \
+                from None
