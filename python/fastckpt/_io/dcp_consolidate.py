@@ -116,7 +116,7 @@ def consolidate(src: Path, out: Path, *, max_shard_size: int, key: str | None = 
     """
     folder = find_dcp_folder(src)
     parsed = read_dcp_metadata(folder)
-    files = open_chunk_files(folder, parsed)
+    files, _records = open_chunk_files(folder, parsed)
     sources = sorted(files)
     src_index = {name: i for i, name in enumerate(sources)}
     entries = {name: {t[0]: t for t in f.tensors()} for name, f in files.items()}

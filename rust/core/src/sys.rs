@@ -204,3 +204,12 @@ mod tests {
         fsync_dir(dir.path()).unwrap();
     }
 }
+
+/// Tell the kernel that `file` will be read from start to end (`POSIX_FADV_SEQUENTIAL`: a larger readahead
+/// window). Only a hint: errors are ignored.
+pub fn advise_sequential(file: &File) {
+    // SAFETY: plain syscall on an fd owned by `file`; no memory is passed. Errors are ignored on purpose.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+    }
+}
