@@ -158,6 +158,15 @@ pub fn rename_exchange(a: &Path, b: &Path) -> io::Result<()> {
     }
 }
 
+/// Tell the kernel that `file` will be read from start to end (`POSIX_FADV_SEQUENTIAL`: a larger readahead
+/// window). Only a hint: errors are ignored.
+pub fn advise_sequential(file: &File) {
+    // SAFETY: plain syscall on an fd owned by `file`; no memory is passed. Errors are ignored on purpose.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,14 +211,5 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&a).unwrap(), "B");
         assert_eq!(std::fs::read_to_string(&b).unwrap(), "A");
         fsync_dir(dir.path()).unwrap();
-    }
-}
-
-/// Tell the kernel that `file` will be read from start to end (`POSIX_FADV_SEQUENTIAL`: a larger readahead
-/// window). Only a hint: errors are ignored.
-pub fn advise_sequential(file: &File) {
-    // SAFETY: plain syscall on an fd owned by `file`; no memory is passed. Errors are ignored on purpose.
-    unsafe {
-        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
     }
 }
