@@ -159,7 +159,8 @@ def scenario_integrity(rank: int, world: int) -> None:
         model, opt, sched = fresh("tiny")
         train_step(model, opt, sched, 0, rank=rank, world=world)
         before = full_state(model, opt)
-        checks[f"integrity_{case}"] = error_of(lambda: fastckpt.load_state(model, opt, sched, input_dir=bad))
+        checks[f"integrity_{case}"] = error_of(
+            lambda m=model, o=opt, s=sched, d=bad: fastckpt.load_state(m, o, s, input_dir=d))
         checks[f"integrity_{case}_tensors"] = json.loads((OUT / f"w{world}_bad_{case}.json").read_text())
         checks[f"integrity_{case}_unchanged"] = same(full_state(model, opt), before)
         fastckpt.load_state(model, opt, sched, input_dir=src)  # the intact folder still loads
