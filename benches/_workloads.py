@@ -35,10 +35,11 @@ class Workload:
     config: GPTConfig | None = None
     tensor_numel: int = 0
     peers: bool = False
+    llama_layers: int = 0  # Llama-7B-shaped decoder layers (bf16; 4096x4096 attention, 4096x11008 MLP) instead
 
     @property
     def single_tensor(self) -> bool:
-        return self.config is None
+        return self.config is None and not self.llama_layers
 
 
 def _gpt(n_layer: int, n_embd: int, vocab: int) -> GPTConfig:
@@ -54,6 +55,8 @@ WORKLOADS: dict[str, Workload] = {
     "gpt-4GB": Workload("gpt-4GB", _gpt(12, 1536, 32768)),        # 392M params, 4.7 GB
     "gpt-8GB": Workload("gpt-8GB", _gpt(12, 2048, 32768)),        # 672M params, 8.1 GB
     "tensor-2GB": Workload("tensor-2GB", tensor_numel=512 << 20, peers=True),  # one fp32 tensor of 2 GiB
+    "tensor-1GB": Workload("tensor-1GB", tensor_numel=256 << 20),  # one fp32 tensor of 1 GiB
+    "llama-1.2GB": Workload("llama-1.2GB", llama_layers=1),  # 202M bf16 params + AdamW moments: 1.21 GB
 }
 DEFAULT_WORKLOADS = ["gpt-256MB", "gpt-1GB", "gpt-2GB", "tensor-2GB"]
 LARGE_WORKLOADS = ["gpt-4GB", "gpt-8GB"]
@@ -71,6 +74,20 @@ class TrainingState:
     def objects(self) -> tuple:
         """``(model, optimizer, scheduler)`` without the Nones, as ``fastckpt.save_state`` takes them."""
         return tuple(o for o in (self.model, self.optimizer, self.scheduler) if o is not None)
+
+
+class _LlamaLayer(torch.nn.Module):
+    """The weights of one Llama-7B decoder layer (no compute: only their shapes and dtype matter here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        d, f = 4096, 11008
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, torch.nn.Linear(d, d, bias=False, dtype=torch.bfloat16))
+        self.gate_proj = torch.nn.Linear(d, f, bias=False, dtype=torch.bfloat16)
+        self.up_proj = torch.nn.Linear(d, f, bias=False, dtype=torch.bfloat16)
+        self.down_proj = torch.nn.Linear(f, d, bias=False, dtype=torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(d, dtype=torch.bfloat16))
 
 
 class _OneTensor(torch.nn.Module):
@@ -96,7 +113,10 @@ def build_state(workload: Workload, *, seed: int = 0, stepped: bool = True) -> T
         with torch.no_grad():
             model.weight.uniform_(-1, 1)
         return TrainingState(model, None, None)
-    model = GPT(workload.config)
+    if workload.llama_layers:
+        model: torch.nn.Module = torch.nn.Sequential(*(_LlamaLayer() for _ in range(workload.llama_layers)))
+    else:
+        model = GPT(workload.config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=100)
     if stepped:

@@ -293,6 +293,18 @@ class SafetensorsFile:
             TruncatedFileError, OSError: the file shrank or cannot be read.
         """
 
+    def verify(self, tensors: Sequence[tuple[str, int]], *, file_crc32c: int | None = None,
+               recorded_in: str = "fastckpt.json", threads: int = 0) -> tuple[int, int]:
+        """Sum the bytes of ``tensors`` (``(name, recorded crc32c)``; with ``file_crc32c`` also the header, so
+        every byte of the file) by parallel positional reads of the file, GIL released, and compare them with
+        the recorded values. Returns ``(bytes read, tensors compared)``.
+
+        Raises:
+            IntegrityError: a tensor's crc32c differs (names the file, every damaged tensor and both values), a
+                recorded tensor is absent from the file, or only the whole-file crc32c differs (the header).
+            ValueError: the file was closed. TruncatedFileError, OSError: the file shrank or cannot be read.
+        """
+
     def close(self) -> None:
         """Drop the file handle; the mapping and every view of it stay valid."""
 

@@ -22,7 +22,6 @@ from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_fo
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, process_rank
 from fastckpt._io.folder import RETRIES, opened_files, pinned
-from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
 from fastckpt._io.log import log_load
 from fastckpt._io.snapshot import has_device_tensors
@@ -290,7 +289,7 @@ def load_state(
     project_dir: str | os.PathLike[str] | None = None,
     threads: int = 0,
     trust_pickle: bool = False,
-    verify: bool = False,
+    verify: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     cast: bool = False,
 ) -> LoadResult:
@@ -316,8 +315,12 @@ def load_state(
         trust_pickle: accelerate's files only: they are read with ``torch.load(weights_only=True)`` and
             accelerate's allowlist of numpy globals; True allows full unpickling for files that need it (a pickled
             sampler, numpy scalars in a scheduler). Full unpickling can run arbitrary code.
-        verify: first read every file of the checkpoint and check the sizes and crc32c checksums recorded in
-            ``fastckpt.json`` (see :func:`fastckpt.verify_checkpoint`); nothing is applied if one differs.
+        verify: check every byte the load reads against the crc32c checksums recorded in ``fastckpt.json`` (each
+            tensor's, each file's), summed by the Rust core as the bytes come in, before any of them reaches a live
+            tensor: a mismatch raises IntegrityError naming the file and tensor and nothing is changed. False
+            skips the sums (sizes, headers and the small JSON files are still checked); a checkpoint without
+            recorded checksums (stock accelerate's) has nothing to check. The files the load does not read are
+            not checked: :func:`fastckpt.verify_checkpoint` checks a whole folder (and the xxh3-128 hashes).
         timeout: sharded checkpoints with several processes: seconds each process waits for the others at each
             step before raising :class:`~fastckpt.errors.CollectiveTimeoutError`.
 
@@ -367,9 +370,7 @@ def load_state(
         if attempt:
             folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
         try:
-            with pinned(folder) as handle:  # every file is opened through one handle on the folder
-                if verify:
-                    verify_checkpoint(handle, threads=threads)
+            with pinned(folder, verify=verify, threads=threads) as handle:  # one handle on the folder; sums each file
                 plan = plan_load(handle, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                  map_location=map_location, trust_pickle=trust_pickle, cast=cast)
                 files = opened_files(handle)
@@ -391,11 +392,13 @@ def dcp_storage_writer(folder: Path, durable: bool, threads: int) -> Any:
     return fastckpt.dcp.StorageWriter(folder, threads=threads, durable=durable, commit=False)
 
 
-def dcp_storage_reader(folder: Path) -> Any:
-    """The DCP ``StorageReader`` a sharded load reads one part with."""
+def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *, verify: bool = True,
+                       threads: int = 0) -> Any:
+    """The DCP ``StorageReader`` a sharded load reads one part with (``checksums``: the part's files as the
+    checkpoint's manifest records them, ``{file name: {"bytes", "crc32c", "tensors"}}``)."""
     import fastckpt.dcp
 
-    return fastckpt.dcp.StorageReader(folder)
+    return fastckpt.dcp.StorageReader(folder, threads=threads, verify=verify, checksums=checksums)
 
 
 def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,
@@ -439,13 +442,12 @@ def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list
         if not is_sharded_checkpoint(folder):
             raise MissingStateError(f"{folder}: not a sharded checkpoint; a sharded (DTensor / FSDP2) model loads "
                                     "checkpoints saved from sharded models")
-        if verify:
-            verify_checkpoint(folder, threads=threads)
     except Exception as exc:  # reported to every rank with the validation (plan_sharded_load's one round)
         error = exc
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              session=session, reader_factory=dcp_storage_reader,
-                             rng_rank=None if model_only else session.rank, failed=error)
+                             rng_rank=None if model_only else session.rank, failed=error, verify=verify,
+                             threads=threads)
     plan.apply()
     return LoadResult(plan.missing_keys, plan.unexpected_keys)
 
@@ -473,9 +475,7 @@ def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, str
     full: list = []
     error: BaseException | None = None
     try:
-        with pinned(folder) as handle:
-            if verify:
-                verify_checkpoint(handle, threads=threads)
+        with pinned(folder, verify=verify, threads=threads) as handle:  # every file opened is summed first
             full = plan_full(handle, models, [], model_only=True, strict=strict, layout=checkpoint_layout(handle))
     except Exception as exc:
         error = exc

@@ -13,6 +13,9 @@ Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; 
 - model_only: a full load of a model-only folder raises MissingStateError on every rank, nothing changes.
 - failure: rank 1's RNG file damaged -> HeaderError there, CheckpointError elsewhere; a shape mismatch raises
   ShapeMismatchError on every rank; nothing changes on any rank.
+- integrity (W = 2): one flipped byte in a model part file (IntegrityError naming file and tensor on the rank
+  reading it, CheckpointError naming it elsewhere), then in every optimizer part file (IntegrityError on every
+  rank); nothing changes on any rank.
 - timeout (W >= 2): rank 1 skips a save; the others raise CollectiveTimeoutError naming it, within ``timeout``;
   when rank 1 then calls it, it raises too (the save was given up), and the next save works on every rank.
 """
@@ -181,6 +184,41 @@ def scenario_rounds(rank: int, world: int) -> None:
     checks["rounds_load"] = counted_rounds(lambda: fastckpt.load_state(model, opt, sched, input_dir=target))
 
 
+def _flip_tensor(path: Path, at: int = 3) -> str:
+    """Flip one bit of byte ``at`` of the first non-empty tensor of the safetensors file ``path``; its name."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name, info = next((k, v) for k, v in header.items() if k != "__metadata__" and v["data_offsets"][1] > at)
+    data[8 + n + info["data_offsets"][0] + at] ^= 0x10
+    path.unlink()  # the copy is hard-linked to the source: replace the file, never change the source
+    path.write_bytes(bytes(data))
+    return name
+
+
+def scenario_integrity(rank: int, world: int) -> None:
+    """One flipped byte in the model part file rank 0 reads (rank 0: IntegrityError naming file and tensor; rank 1:
+    CheckpointError naming rank 0's IntegrityError), then one in each rank's optimizer part file (IntegrityError on
+    every rank); the live model and optimizer (which holds state) stay bit-identical every time."""
+    src = OUT / f"w{world}_tiny"
+    for case, part, ranks in (("model", "model", [0]), ("optimizer", "optimizer", list(range(world)))):
+        bad = OUT / f"w{world}_tiny_bad_{case}"
+        if rank == 0:
+            shutil.copytree(src, bad, copy_function=os.link)
+            names = [_flip_tensor(bad / part / f"shard-{r:05d}-of-{world:05d}.safetensors") for r in ranks]
+            (OUT / f"w{world}_bad_{case}.json").write_text(json.dumps(names))
+        dist.barrier()
+        model, opt, sched = fresh("tiny")
+        train_step(model, opt, sched, 0, rank=rank, world=world)
+        before = full_state(model, opt)
+        checks[f"integrity_{case}"] = error_of(
+            lambda m=model, o=opt, s=sched, d=bad: fastckpt.load_state(m, o, s, input_dir=d))
+        checks[f"integrity_{case}_tensors"] = json.loads((OUT / f"w{world}_bad_{case}.json").read_text())
+        checks[f"integrity_{case}_unchanged"] = same(full_state(model, opt), before)
+        fastckpt.load_state(model, opt, sched, input_dir=src)  # the intact folder still loads
+        checks[f"integrity_{case}_intact_loads"] = not same(full_state(model, opt), before)
+
+
 def scenario_timeout(rank: int, world: int) -> None:
     model, opt, sched = fresh("tiny")
     target = OUT / f"w{world}_timeout"
@@ -208,6 +246,8 @@ def main() -> None:
         record("scenario_rounds", lambda: scenario_rounds(rank, world))
         if world >= 2:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
+        if world == 2:
+            record("scenario_integrity", lambda: scenario_integrity(rank, world))
     except Exception:
         checks["crash"] = traceback.format_exc()
     (OUT / f"w{world}_rank{rank}.json").write_text(json.dumps(checks, indent=1, default=str))

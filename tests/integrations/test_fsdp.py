@@ -151,6 +151,27 @@ def test_failure_on_one_rank_changes_nothing_anywhere(runs):
         assert res["shape_unchanged"] is True, rank
 
 
+def test_a_flipped_byte_in_a_part_file_is_refused_on_every_rank_and_changes_nothing(runs):
+    out, results = runs
+    for rank, res in enumerate(results[2]):
+        (model_tensor,) = res["integrity_model_tensors"]
+        shard0 = out / "w2_tiny_bad_model" / "model" / "shard-00000-of-00002.safetensors"
+        named = f'{shard0}: tensor "{model_tensor}": crc32c '
+        got = res["integrity_model"]
+        if rank == 0 or got["error"] == "IntegrityError":  # every rank that reads the damaged chunk finds it itself
+            assert got["error"] == "IntegrityError" and got["message"].startswith(named), got
+        else:
+            assert got["error"] == "CheckpointError", got
+            assert f"failed on process 0: IntegrityError: {named}" in got["message"]
+        own = out / "w2_tiny_bad_optimizer" / "optimizer" / f"shard-{rank:05d}-of-00002.safetensors"
+        tensor = res["integrity_optimizer_tensors"][rank]
+        assert res["integrity_optimizer"]["error"] == "IntegrityError", res["integrity_optimizer"]
+        assert res["integrity_optimizer"]["message"].startswith(f'{own}: tensor "{tensor}": crc32c ')
+        for case in ("model", "optimizer"):
+            assert res[f"integrity_{case}_unchanged"] is True, (rank, case)
+            assert res[f"integrity_{case}_intact_loads"] is True, (rank, case)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_that_never_calls_makes_the_others_raise(runs, world):
     _, results = runs

@@ -124,15 +124,16 @@ def test_verify_names_the_damaged_tensor_and_load_changes_nothing(copy, capsys):
     before = model_clone(live)
     with pytest.raises(fastckpt.IntegrityError) as info:
         fastckpt.load_state(live, lopt, lsched, input_dir=copy, verify=True)
-    msg = str(info.value)
-    assert msg == (f"{copy}: 1 integrity problem:\n  {path}: tensor 'fc2.weight': crc32c {got} on disk, {want} "
-                   "recorded in fastckpt.json")
+    assert str(info.value) == (f"{path}: tensor \"fc2.weight\": crc32c {got} read, {want} recorded in fastckpt.json "
+                               "(the file is damaged)")
     assert isinstance(info.value, ValueError)
     assert_model_state(live, before)
     assert lopt.state_dict()["state"] == {}
     assert cli(["verify", str(copy)]) == 1
     out, err = capsys.readouterr()
     assert "BAD  model.safetensors" in out and "ok   scheduler.json" in out and "DAMAGED: 1 problem(s)" in out
+    msg = (f"{copy}: 1 integrity problem:\n  {path}: tensor 'fc2.weight': crc32c {got} on disk, {want} "
+           "recorded in fastckpt.json")
     assert f"IntegrityError: {msg}" in err
     record("faults")
 

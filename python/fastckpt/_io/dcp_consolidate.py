@@ -175,7 +175,7 @@ def write_model_files(folder: Path, parsed: ParsedMetadata, out: Path, *, names:
     Raises:
         As :func:`consolidate`.
     """
-    files = open_chunk_files(folder, parsed)
+    files, _records = open_chunk_files(folder, parsed)
     sources = sorted(files)
     src_index = {name: i for i, name in enumerate(sources)}
     entries = {name: {t[0]: t for t in f.tensors()} for name, f in files.items()}

@@ -14,9 +14,9 @@ from fastckpt._format.dcp_boxes import box_runs
 from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata, parse_metadata
 from fastckpt._format.dtypes import F4
 from fastckpt._io.layout import MANIFEST, read_manifest
-from fastckpt.errors import HeaderError, MissingStateError
+from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 
-__all__ = ["read_dcp_metadata", "open_chunk_files", "BoxRead", "read_boxes", "is_dcp_folder"]
+__all__ = ["read_dcp_metadata", "open_chunk_files", "verify_chunks", "BoxRead", "read_boxes", "is_dcp_folder"]
 
 
 def is_dcp_folder(folder: Path) -> bool:
@@ -43,11 +43,17 @@ def read_dcp_metadata(folder: Path) -> ParsedMetadata:
     return parse_metadata(text, str(path))
 
 
-def open_chunk_files(folder: Path, parsed: ParsedMetadata) -> dict[str, Any]:
+def open_chunk_files(folder: Path, parsed: ParsedMetadata, *,
+                     records: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Open every file the metadata names and check each chunk against its header; nothing is read yet.
 
+    Args:
+        records: the files' checksums as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``,
+            a sharded save hands its part's down); None: read ``folder/fastckpt.json`` when there is one.
+
     Returns:
-        ``{file name: _core.SafetensorsFile}``.
+        ``({file name: _core.SafetensorsFile}, records)``: ``records`` as given or as read (``{}`` without a
+        manifest).
 
     Raises:
         MissingStateError: a file the metadata names is missing (names it; checked first).
@@ -58,8 +64,13 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata) -> dict[str, Any]:
     for (fqn, _offsets), loc in parsed.chunks.items():
         if not (folder / loc.file).exists():
             raise MissingStateError(f"{folder / loc.file}: holds chunks of {fqn!r} per {METADATA_FILE} but is missing")
-    if (folder / MANIFEST).is_file():
-        read_manifest(folder)
+    if records is None:
+        records = read_manifest(folder).get("files", {}) if (folder / MANIFEST).is_file() else {}
+    for name, info in records.items():
+        if name != METADATA_FILE and name in {loc.file for loc in parsed.chunks.values()}:
+            size = (folder / name).stat().st_size
+            if isinstance(info, dict) and info.get("bytes") != size:
+                raise IntegrityError(f"{folder / name}: {size} bytes on disk, {info.get('bytes')} recorded in {MANIFEST}")
     files: dict[str, Any] = {}
     for (fqn, _offsets), loc in parsed.chunks.items():
         if loc.file not in files:
@@ -89,7 +100,22 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata) -> dict[str, Any]:
                     f"{path}: tensor {loc.name!r} is {dtype} {list(shape)}; {METADATA_FILE} records the chunk of "
                     f"{fqn!r} at {list(offsets)} as {want_dtype} {want_shape}"
                 )
-    return files
+    return files, records
+
+
+def verify_chunks(files: dict[str, Any], records: dict[str, Any], wanted: dict[str, set[str]], *,
+                  threads: int = 0) -> None:
+    """Sum the stored chunks ``wanted`` names (``{file name: {tensor name}}``: every chunk a box is read from, whole)
+    and compare each with the crc32c ``records`` holds for it; a file without a record is not checked.
+
+    Raises:
+        IntegrityError: a chunk differs (names the file, the tensor and both values).
+    """
+    for file, names in wanted.items():
+        tensors = records.get(file, {}).get("tensors") if isinstance(records.get(file), dict) else None
+        if isinstance(tensors, dict):
+            files[file].verify([(n, int(tensors[n], 16)) for n in sorted(names) if n in tensors],
+                               recorded_in=MANIFEST, threads=threads)
 
 
 @dataclass

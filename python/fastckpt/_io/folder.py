@@ -7,8 +7,10 @@ handle (``/proc/self/fd/N/name``), so all files come from the folder inode the l
 still name the real path. On top of that each file is tied to the manifest read first:
 
 - safetensors files of an in-place commit (:mod:`fastckpt._io.in_place`, whose files are renamed into the folder one
-  by one) carry the manifest's ``save_id`` in their metadata; files of 1 MiB or less have their size and crc32c
-  compared with the manifest's record on every open;
+  by one) carry the manifest's ``save_id`` in their metadata; every safetensors file has its size compared with the
+  manifest's record on open, and (unless the load passed ``verify=False``) every byte of it summed by the Rust core
+  (:meth:`fastckpt._core.SafetensorsFile.verify`: the crc32c of each tensor and of the whole file) before any of
+  its bytes is used: the load then reads them again from the page cache;
 - small files read whole (JSON: scheduler, shard index, object states) have size and crc32c compared likewise;
 - a file the manifest does not list (a hand-edited manifest) is refused: :class:`~fastckpt.errors.IntegrityError`;
 - the folder removed under the reader (the previous checkpoint deleted after the commit), a manifest that changed
@@ -35,13 +37,12 @@ from fastckpt._io.layout import MANIFEST, SAVE_ID_KEY
 from fastckpt._io.log import log_file
 from fastckpt.errors import CheckpointChangedError, CheckpointError, IntegrityError
 
-__all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "RETRIES"]
+__all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "verify_file", "RETRIES"]
 
 #: How many times ``load_state`` starts over when another save changed the folder under it.
 RETRIES = 5
 
 _PROC_FD = "/proc/self/fd"
-_SMALL = 1 << 20  # files up to this size get their crc32c checked on every open
 _pins: dict[str, _Pin] = {}  # "/proc/self/fd/N" -> its pin
 _pins_lock = threading.Lock()
 
@@ -49,8 +50,10 @@ _pins_lock = threading.Lock()
 class _Pin:
     """An opened folder: its fd, the name to show, and the manifest as first read through it."""
 
-    def __init__(self, fd: int, shown: str) -> None:
+    def __init__(self, fd: int, shown: str, *, verify: bool = True, threads: int = 0) -> None:
         self.fd = fd
+        self.verify = verify  # sum every safetensors file opened (see the module docs)
+        self.threads = threads
         self.shown = shown
         self.prefix = f"{_PROC_FD}/{fd}"
         self.manifest_bytes: bytes | None = None
@@ -213,9 +216,9 @@ def open_safetensors(path: Path) -> Any:
                 raise pin.mismatch(name, "vanished") from None
             raise
         if "/" not in name:
-            small = file.file_size <= _SMALL and isinstance(pin.files.get(name), dict)
-            pin.check(name, file.file_size, memoryview(file) if small else None,
-                      (file.metadata() or {}).get(SAVE_ID_KEY))
+            pin.check(name, file.file_size, None, (file.metadata() or {}).get(SAVE_ID_KEY))
+            if pin.verify:
+                verify_file(file, pin.files.get(name), threads=pin.threads)
             pin.opened[name] = file.file_size
     log_file("opened", path, file.file_size)
     return file
@@ -228,9 +231,28 @@ def opened_files(path: Path) -> dict[str, int]:
     return {k: v for k, v in found[0].opened.items() if k != MANIFEST} if found is not None else {}
 
 
+def verify_file(file: Any, record: Any, *, threads: int = 0) -> None:
+    """Sum every byte of the opened ``file`` and compare with its manifest ``record`` (``{"crc32c", "tensors"}``;
+    nothing is checked for a record without them).
+
+    Raises:
+        IntegrityError: a tensor (named, with both crc32c values) or the header differs from the record.
+    """
+    if not isinstance(record, dict):
+        return
+    crc, tensors = record.get("crc32c"), record.get("tensors")
+    if isinstance(crc, str) or isinstance(tensors, dict):
+        file.verify([(n, int(h, 16)) for n, h in (tensors or {}).items()],
+                    file_crc32c=int(crc, 16) if isinstance(crc, str) else None, recorded_in=MANIFEST,
+                    threads=threads)
+
+
 @contextlib.contextmanager
-def pinned(folder: Path) -> Iterator[Path]:
+def pinned(folder: Path, *, verify: bool = True, threads: int = 0) -> Iterator[Path]:
     """Open ``folder`` once; yield a :class:`PinnedPath` for it (``folder`` itself without ``/proc/self/fd``).
+
+    ``verify``: sum every safetensors file opened through it against the manifest (see the module docs);
+    ``threads``: for those sums (0 = min(8, cores)).
 
     An error raised inside, when another save changed the folder meanwhile, becomes
     :class:`~fastckpt.errors.CheckpointChangedError` (the error it replaced is its cause).
@@ -239,7 +261,7 @@ def pinned(folder: Path) -> Iterator[Path]:
         yield folder
         return
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    pin = _Pin(fd, str(folder))
+    pin = _Pin(fd, str(folder), verify=verify, threads=threads)
     with _pins_lock:
         _pins[pin.prefix] = pin
     try:

@@ -22,6 +22,7 @@ import torch
 from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._io.distributed import Session
+from fastckpt._io.folder import verify_file
 from fastckpt._io.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
 from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
 from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
@@ -29,8 +30,9 @@ from fastckpt.errors import MissingStateError
 
 __all__ = ["is_sharded_checkpoint", "plan_sharded_load", "ShardedLoad", "ReaderFactory"]
 
-#: ``reader_factory(folder)`` -> a DCP ``StorageReader`` over one part folder (``model/``, ``optimizer/``, ...)
-ReaderFactory = Callable[[Path], Any]
+#: ``reader_factory(folder, checksums, verify=, threads=)`` -> a DCP ``StorageReader`` over one part folder
+#: (``model/``, ``optimizer/``, ...); ``checksums``: that part's files as the manifest records them
+ReaderFactory = Callable[..., Any]
 
 
 def is_sharded_checkpoint(folder: Path) -> bool:
@@ -83,20 +85,30 @@ def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> N
     run_dcp(dcp.load, dest, session, storage_reader=reader)
 
 
-def _read_json(folder: Path, name: str, what: str) -> Any:
+def _read_json(folder: Path, name: str, what: str, record: Any = None) -> Any:
     path = folder / name
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold") from None
+    want = record.get("crc32c") if isinstance(record, dict) else None
+    if isinstance(want, str) and f"{_core.crc32c(data):08x}" != want:
+        from fastckpt.errors import IntegrityError
+
+        raise IntegrityError(f"{path}: crc32c {_core.crc32c(data):08x} read, {want} recorded in {MANIFEST} (the file "
+                             "is damaged); nothing was changed")
     return load_json(data, f"{path}: not a valid fastckpt JSON file")
 
 
 def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                       strict: bool, session: Session, reader_factory: ReaderFactory,
                       rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None,
-                      failed: BaseException | None = None) -> ShardedLoad:
+                      failed: BaseException | None = None, verify: bool = True,
+                      threads: int = 0) -> ShardedLoad:
     """Phase 1 on this rank (see the module docs): validate and read; nothing live changes.
+
+    ``verify``: every byte read (the shards' chunks this rank reads, the RNG file, the JSON files) is checked
+    against the crc32c the manifest records, before DCP fills a tensor (IntegrityError naming file and tensor).
 
     ``extra(load)``: reads and validates more state into ``load.objects`` (``fastckpt.accelerate``'s tracked
     objects), before any rank reads the shards. ``failed``: this rank's error from the caller's own checks
@@ -112,7 +124,7 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
         if failed is not None:
             raise failed
         found = _validate(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                          reader_factory=reader_factory, rng_rank=rng_rank)
+                          reader_factory=reader_factory, rng_rank=rng_rank, verify=verify, threads=threads)
         if extra is not None and not model_only:
             extra(found[0])
     except Exception as exc:  # every rank learns of it before DCP's collectives start
@@ -125,8 +137,9 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
 
 
 def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool, strict: bool,
-              reader_factory: ReaderFactory, rng_rank: int | None) -> tuple:
+              reader_factory: ReaderFactory, rng_rank: int | None, verify: bool, threads: int) -> tuple:
     manifest = read_manifest(folder)
+    records = manifest.get("files", {}) if verify else {}
     if model_only:
         optimizers, schedulers = [], []
     if manifest.get("mode") == "model_only" and (optimizers or schedulers):
@@ -152,7 +165,8 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
         if not (folder / sub).is_dir():
             raise MissingStateError(f"{folder}: the load needs the sharded part {sub}/, which is absent")
         _refuse_unlisted(folder, [n for n in unlisted if n.startswith(sub + "/")])
-        readers[sub] = reader_factory(folder / sub)
+        checksums = {n[len(sub) + 1:]: info for n, info in sharded.get("files", {}).items() if n.startswith(sub + "/")}
+        readers[sub] = reader_factory(folder / sub, checksums, verify=verify, threads=threads)
         return readers[sub].read_metadata().state_dict_metadata
 
     for i, m in enumerate(models):
@@ -172,7 +186,7 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
     _refuse_unlisted(folder, [n for n in needed if n in unlisted])
     for j, opt in enumerate(optimizers):
         base = part_name("optimizer", j, "")
-        saved = _read_json(folder, base + ".json", f"optimizer {j}")
+        saved = _read_json(folder, base + ".json", f"optimizer {j}", records.get(base + ".json"))
         owner = owner_model(opt, models, base)
         d, info = optimizer_destination(owner, opt, base, saved, part(base), strict=strict,
                                         where=f"{folder / (base + '.json')}")
@@ -181,11 +195,13 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
     for k, sched in enumerate(schedulers):
         name = part_name("scheduler", k, ".json")
         where = f"{folder / name}: not a valid fastckpt scheduler state"
-        load.schedulers.append((sched, decode_json(_read_json(folder, name, f"scheduler {k}"), where)))
+        load.schedulers.append((sched, decode_json(_read_json(folder, name, f"scheduler {k}", records.get(name)), where)))
     if not model_only and manifest.get("mode") == "full" and rng_rank is not None:
         name = random_states_name(rng_rank)
         if (folder / name).is_file():
-            load.rng = read_rng_state(_core.SafetensorsFile(str(folder / name)))
+            rng_file = _core.SafetensorsFile(str(folder / name))
+            verify_file(rng_file, records.get(name), threads=threads)
+            load.rng = read_rng_state(rng_file)
             load.step = load.rng.step
         else:
             warnings.warn(f"{folder}: holds no {name} (saved by {manifest.get('processes')} processes); process "

@@ -121,17 +121,20 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, threads: int = 0,
-         planner: Any = None) -> None:
+         planner: Any = None, verify: bool = True) -> None:
     """``dcp.load(state_dict, storage_reader=StorageReader(path, ...))``, raising the original error on every rank.
 
     Fills ``state_dict`` in place (tensors, DTensors of any placement, plain values), resharding as needed.
     ``planner`` defaults to :class:`LoadPlanner`, which checks dtypes while planning: a mismatch on any rank
-    raises on every rank before anything is read.
+    raises on every rank before anything is read. ``verify`` (default): each rank sums every stored chunk it reads
+    from and compares it with the crc32c in the folder's manifest before it fills any tensor (IntegrityError
+    naming the file and tensor); with several processes another rank may already have filled its own tensors
+    when one rank's chunk is damaged (DCP's read step has no barrier between the ranks' reads).
 
     Raises:
         HeaderError, MissingStateError, DtypeError, IntegrityError, ...: what the failing rank raised.
     """
-    reader = StorageReader(path, threads=threads)
+    reader = StorageReader(path, threads=threads, verify=verify)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):

@@ -18,7 +18,7 @@ from torch.futures import Future
 from fastckpt._format.dcp_metadata import ParsedMetadata
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
-from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata
+from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
 from fastckpt.errors import DtypeError, ShapeMismatchError
 
 __all__ = ["StorageReader"]
@@ -54,17 +54,27 @@ class StorageReader(_DCPStorageReader):
     holding each chunk with the recorded dtype and shape (HeaderError naming the file), the manifest's sizes
     (:class:`~fastckpt.errors.IntegrityError`); and on each rank, before it reads, that every destination has the
     stored dtype (:class:`~fastckpt.errors.DtypeError` naming the key and both dtypes: DCP itself would cast) and
-    shape. Non-tensor values come back from JSON; nothing is unpickled.
+    shape; then, unless ``verify=False``, that every stored chunk this rank reads a box of has the crc32c the
+    manifest records (the whole chunk is summed by the Rust core as it comes in, before any destination is filled:
+    :class:`~fastckpt.errors.IntegrityError` naming the file and the chunk's tensor). Non-tensor values come back
+    from JSON; nothing is unpickled.
 
     Args:
         path: the folder (``dcp_metadata.json`` in it).
         threads: reader threads (0 = min(8, cores)).
+        verify: check the crc32c of every chunk read (a folder without a manifest records none: nothing to check).
+        checksums: the folder's files as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``):
+            given by a sharded ``load_state``, whose manifest sits one folder up; None reads ``path/fastckpt.json``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 0, verify: bool = True,
+                 checksums: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.threads = threads
+        self.verify = verify
+        self._checksums = checksums
+        self._records: dict[str, Any] = {}
         self._parsed: ParsedMetadata | None = None
         self._files: dict[str, Any] = {}
         #: the exception the last :meth:`read_metadata` raised (DCP reports it only as an AssertionError's text)
@@ -88,7 +98,7 @@ class StorageReader(_DCPStorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._parsed is None or self._parsed.metadata is not metadata:
             self._parsed = read_dcp_metadata(self.path)
-        self._files = open_chunk_files(self.path, self._parsed)
+        self._files, self._records = open_chunk_files(self.path, self._parsed, records=self._checksums)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -117,6 +127,12 @@ class StorageReader(_DCPStorageReader):
             dest = planner.resolve_tensor(item).detach()
             self._check(item, dest)
             tensor_items.append((item, dest))
+        if self.verify:  # every chunk a box is read from, summed whole, before anything is filled
+            wanted: dict[str, set[str]] = {}
+            for item, _dest in tensor_items:
+                loc = parsed.chunks[(item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))]
+                wanted.setdefault(loc.file, set()).add(loc.name)
+            verify_chunks(self._files, self._records, wanted, threads=self.threads)
         for item in plan.items:  # every check passed: nothing was filled before this point
             if item.type == LoadItemType.BYTE_IO:
                 _set_object(planner, item, parsed.objects[item.storage_index.fqn])

@@ -8,6 +8,7 @@
 //! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
 //! - [`progress`]: per-tensor progress of a write from live memory; the caller takes unwritten tensors over.
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
+//! - [`verify`]: a load's bytes checked against the recorded crc32c as they are read, before they are used.
 //! - [`commit`]: put a staging folder in place atomically.
 //! - [`checksum`]: crc32c per tensor and per file, summed while writing and by `verify`.
 //! - [`content_hash`]: xxh3-128 content hashes per tensor, computed while writing (shared frozen weights).
@@ -32,6 +33,7 @@ pub mod reader;
 pub mod source;
 mod sys;
 mod temp_file;
+pub mod verify;
 pub mod writer;
 
 /// Default bytes per positional write or read: 8 MiB.
@@ -47,4 +49,5 @@ pub use layout::{serialize, FileLayout};
 pub use progress::Progress;
 pub use reader::SafetensorsFile;
 pub use source::TensorSource;
+pub use verify::{Expected, Verified};
 pub use writer::{write_file, write_files, FileJob, ReadyGate, WriteOptions, WriteStats};

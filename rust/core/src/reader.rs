@@ -139,6 +139,11 @@ impl SafetensorsFile {
             })
     }
 
+    /// The index (file order) of the tensor named `name`, if the file has one.
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
     /// The whole private mapping: its first byte and its length. The memory stays valid, readable and
     /// writable as long as `self` lives. An unmapped file (see [`open_with`](Self::open_with)) gives a
     /// dangling pointer and length 0.
@@ -162,6 +167,13 @@ impl SafetensorsFile {
     /// Whether [`close`](Self::close) was called.
     pub fn is_closed(&self) -> bool {
         self.file.lock().expect("file lock").is_none()
+    }
+
+    /// The open file handle, or [`Error::InvalidArgument`] naming `what` when [`close`](Self::close) was called.
+    pub(crate) fn handle(&self, what: &str) -> Result<Arc<File>> {
+        self.file.lock().expect("file lock").clone().ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: {what} on a closed file", self.path.display()))
+        })
     }
 
     /// Fill each target with its tensor's bytes, read from the file (not the map) in `chunk_bytes` pieces by
@@ -206,17 +218,7 @@ impl SafetensorsFile {
                 "chunk_bytes must be at least 1".into(),
             ));
         }
-        let file = self
-            .file
-            .lock()
-            .expect("file lock")
-            .clone()
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "{}: read_into on a closed file",
-                    self.path.display()
-                ))
-            })?;
+        let file = self.handle("read_into")?;
         let mut jobs: Vec<Mutex<Option<ReadJob<'_>>>> = Vec::new();
         let mut names = Vec::with_capacity(targets.len());
         for (name, offset, buf) in targets {

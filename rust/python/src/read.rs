@@ -209,6 +209,29 @@ impl SafetensorsFile {
         .map_err(to_py)
     }
 
+    /// Sum the bytes of `tensors` (`[(name, recorded crc32c)]`; with `file_crc32c` the header and every tensor)
+    /// by parallel positional reads, GIL released, and compare with the recorded values; raises IntegrityError
+    /// naming the file and every damaged tensor. Returns `(bytes read, tensors compared)`.
+    #[pyo3(signature = (tensors, *, file_crc32c = None, recorded_in = "fastckpt.json", threads = 0))]
+    fn verify(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<(String, u32)>,
+        file_crc32c: Option<u32>,
+        recorded_in: &str,
+        threads: usize,
+    ) -> PyResult<(u64, usize)> {
+        let expected = fastckpt_core::Expected {
+            file_crc32c,
+            tensors,
+            recorded_in: recorded_in.to_string(),
+        };
+        let done = py
+            .detach(|| self.inner.verify(&expected, threads, DEFAULT_CHUNK_BYTES))
+            .map_err(to_py)?;
+        Ok((done.bytes, done.tensors))
+    }
+
     /// Drop the file handle; the mapping (and every view of it) stays valid.
     fn close(&self) {
         self.inner.close();

@@ -1,0 +1,209 @@
+//! Checking what a load reads against the checksums recorded when it was written: [`SafetensorsFile::verify`]
+//! sums the bytes of the tensors a load will read (and the header, for the whole-file crc32c) by parallel
+//! positional reads, as they come in from the disk (pieces already in the page cache are summed in place through
+//! the file's private mapping: no copy), and refuses any difference with [`Error::Integrity`]
+//! naming the file and every damaged tensor. A load calls it before it writes a byte into live memory, so a
+//! damaged checkpoint changes nothing; the bytes it read stay in the page cache for the load's own reads.
+
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+use crate::pool;
+use crate::reader::SafetensorsFile;
+use crate::sys;
+
+/// The checksums a load expects of one file, as its manifest records them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expected {
+    /// crc32c of every byte of the file; checked when `Some` (every tensor and the header are then read).
+    pub file_crc32c: Option<u32>,
+    /// `(tensor name, crc32c of its data bytes)` of the tensors to check, in any order.
+    pub tensors: Vec<(String, u32)>,
+    /// Where the values were recorded, for messages (`"fastckpt.json"`).
+    pub recorded_in: String,
+}
+
+/// What [`SafetensorsFile::verify`] read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Verified {
+    /// Bytes read and summed.
+    pub bytes: u64,
+    /// Tensors whose crc32c was compared.
+    pub tensors: usize,
+}
+
+/// One run of bytes to sum: the tensor it belongs to (`None`: the header) and its absolute range.
+type Region = (Option<usize>, Range<u64>);
+
+impl SafetensorsFile {
+    /// Sum the bytes `expected` names (see [`Expected`]) in `chunk_bytes` positional reads by `threads`
+    /// workers (0 = min(8, cores)) and compare them with the recorded values.
+    ///
+    /// Errors: [`Error::Integrity`] naming the file, each damaged tensor and both crc32c values (or the header,
+    /// when only the whole-file crc32c differs); a recorded tensor the file lacks is [`Error::Integrity`] too.
+    /// [`Error::Truncated`] / [`Error::Io`] when the file cannot be read.
+    pub fn verify(
+        &self,
+        expected: &Expected,
+        threads: usize,
+        chunk_bytes: u64,
+    ) -> Result<Verified> {
+        if chunk_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "chunk_bytes must be at least 1".into(),
+            ));
+        }
+        let path = self.path().display().to_string();
+        let mut want: Vec<Option<u32>> = vec![None; self.tensors().len()];
+        let mut absent = Vec::new();
+        for (name, crc) in &expected.tensors {
+            match self.tensor_index(name) {
+                Some(i) => want[i] = Some(*crc),
+                None => absent.push(format!(
+                    "{path}: tensor {name:?} is recorded in {} but absent from the file",
+                    expected.recorded_in
+                )),
+            }
+        }
+        if !absent.is_empty() {
+            return Err(Error::Integrity(absent.join("\n")));
+        }
+        let whole = expected.file_crc32c.is_some();
+        let regions = self.regions(|i| whole || want[i].is_some());
+        let crcs = self.sum_regions(&regions, threads, chunk_bytes)?;
+        let mut got = vec![0u32; want.len()];
+        let mut file_crc = 0u32;
+        for ((tensor, range), crc) in regions.iter().zip(&crcs) {
+            file_crc = crc32c::crc32c_combine(file_crc, *crc, (range.end - range.start) as usize);
+            if let Some(i) = tensor {
+                got[*i] = *crc;
+            }
+        }
+        let mut problems = Vec::new();
+        for (i, w) in want.iter().enumerate() {
+            if let Some(w) = w.filter(|w| *w != got[i]) {
+                problems.push(format!(
+                    "{path}: tensor {:?}: crc32c {:08x} read, {w:08x} recorded in {} (the file is damaged)",
+                    self.tensors()[i].name,
+                    got[i],
+                    expected.recorded_in
+                ));
+            }
+        }
+        if let Some(w) = expected
+            .file_crc32c
+            .filter(|w| *w != file_crc && problems.is_empty())
+        {
+            problems.push(format!(
+                "{path}: crc32c {file_crc:08x} read, {w:08x} recorded in {} (outside every tensor: the header or \
+                 its padding is damaged)",
+                expected.recorded_in
+            ));
+        }
+        if !problems.is_empty() {
+            return Err(Error::Integrity(problems.join("\n")));
+        }
+        Ok(Verified {
+            bytes: regions.iter().map(|(_, r)| r.end - r.start).sum(),
+            tensors: want.iter().filter(|w| w.is_some()).count(),
+        })
+    }
+
+    /// The regions to sum in file order: the header and every tensor when `all` holds for each, else the
+    /// tensors `pick` selects. With every tensor and the header they cover the whole file (a safetensors data
+    /// section is its tensors, back to back).
+    fn regions(&self, pick: impl Fn(usize) -> bool) -> Vec<Region> {
+        let mut out: Vec<Region> = Vec::new();
+        let start = self.data_start();
+        if (0..self.tensors().len()).all(&pick) {
+            out.push((None, 0..start));
+        }
+        for (i, t) in self.tensors().iter().enumerate() {
+            if pick(i) {
+                out.push((Some(i), start + t.begin..start + t.end));
+            }
+        }
+        if let Some((_, last)) = out.last() {
+            if out[0].0.is_none() && last.end < self.file_size() {
+                out.push((None, last.end..self.file_size())); // bytes after the last tensor, if any
+            }
+        }
+        out.sort_by_key(|(_, r)| r.start);
+        out
+    }
+
+    /// The crc32c of each region, summed in parallel chunks and combined in order.
+    fn sum_regions(
+        &self,
+        regions: &[Region],
+        threads: usize,
+        chunk_bytes: u64,
+    ) -> Result<Vec<u32>> {
+        let file = self.handle("verify")?;
+        sys::advise_sequential(&file);
+        let mut jobs: Vec<(usize, Range<u64>)> = Vec::new();
+        for (k, (_, r)) in regions.iter().enumerate() {
+            let mut at = r.start;
+            while at < r.end {
+                let end = (at + chunk_bytes).min(r.end);
+                jobs.push((k, at..end));
+                at = end;
+            }
+        }
+        let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
+        let (map, map_len) = self.mapping();
+        let map_addr = map.as_ptr() as usize; // an address (Send + Sync) of the private mapping, if any
+        pool::run::<Vec<u8>, _>(threads, jobs.len(), None, |buf, j| {
+            let (k, range) = &jobs[j];
+            let len = (range.end - range.start) as usize;
+            if range.end as usize <= map_len
+                && sys::resident((map_addr + range.start as usize) as *const u8, len)
+            {
+                // SAFETY: the range lies inside the mapping (checked against its length), which lives as long as
+                // `self`; its pages are in memory (so reading them costs no I/O and no copy). A load verifies a
+                // file it has just opened, before anyone holds a view of the mapping that could write into it.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts((map_addr + range.start as usize) as *const u8, len)
+                };
+                sums[j].set(crc32c::crc32c(bytes)).expect("each job once");
+                return Ok(());
+            }
+            if buf.len() < len {
+                buf.resize(len, 0);
+            }
+            file.read_exact_at(&mut buf[..len], range.start)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => Error::Truncated {
+                        path: self.path().display().to_string(),
+                        what: match regions[*k].0 {
+                            Some(i) => format!("tensor {:?}", self.tensors()[i].name),
+                            None => "the header".into(),
+                        },
+                        expected: range.end,
+                        actual: file.metadata().map_or(0, |m| m.len()),
+                    },
+                    _ => Error::io(
+                        self.path(),
+                        format!("verifying {len} bytes at offset {}", range.start),
+                        e,
+                    ),
+                })?;
+            sums[j]
+                .set(crc32c::crc32c(&buf[..len]))
+                .expect("each job once");
+            Ok(())
+        })?;
+        let mut out = vec![0u32; regions.len()];
+        for ((k, range), sum) in jobs.iter().zip(sums) {
+            let crc = sum.into_inner().expect("every job ran");
+            out[*k] = crc32c::crc32c_combine(out[*k], crc, (range.end - range.start) as usize);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+#[path = "verify_tests.rs"]
+mod tests;

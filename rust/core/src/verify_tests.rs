@@ -1,0 +1,141 @@
+//! verify: the recorded crc32c values against the bytes read, per tensor and for the whole file.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::dtype::Dtype;
+use crate::source::TensorSource;
+use crate::writer::{write_file, WriteOptions};
+
+/// A file of two tensors; returns its path and (file crc, crc of "a", crc of "b").
+fn written(dir: &Path) -> (PathBuf, (u32, u32, u32)) {
+    let a: Vec<u8> = (0..40_000u32).map(|i| (i % 241) as u8).collect();
+    let b: Vec<u8> = (0..6u8).collect();
+    let path = dir.join("v.safetensors");
+    let src = |name: &str, dtype, shape: Vec<u64>, data| TensorSource {
+        name: name.into(),
+        dtype,
+        shape,
+        data,
+        byte_offset: 0,
+        byte_strides: None,
+        convert_to: None,
+    };
+    let sources = vec![
+        src("a", Dtype::F32, vec![100, 100], &a[..]),
+        src("b", Dtype::U16, vec![3], &b[..]),
+    ];
+    write_file(&path, sources, None, &WriteOptions::default()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    (
+        path,
+        (
+            crc32c::crc32c(&bytes),
+            crc32c::crc32c(&a),
+            crc32c::crc32c(&b),
+        ),
+    )
+}
+
+fn expected(file: Option<u32>, tensors: &[(&str, u32)]) -> Expected {
+    Expected {
+        file_crc32c: file,
+        tensors: tensors.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+        recorded_in: "fastckpt.json".into(),
+    }
+}
+
+fn flip(path: &Path, at: u64) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[at as usize] ^= 0x01;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn matching_checksums_pass_in_any_chunking() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (file, a, b)) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    for chunk in [1, 777, 8 << 20] {
+        let all = f
+            .verify(&expected(Some(file), &[("a", a), ("b", b)]), 3, chunk)
+            .unwrap();
+        assert_eq!(
+            all,
+            Verified {
+                bytes: f.file_size(),
+                tensors: 2
+            }
+        );
+        let one = f.verify(&expected(None, &[("b", b)]), 2, chunk).unwrap();
+        assert_eq!(
+            one,
+            Verified {
+                bytes: 6,
+                tensors: 1
+            }
+        );
+    }
+}
+
+#[test]
+fn a_flipped_tensor_byte_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (file, a, b)) = written(dir.path());
+    let start = SafetensorsFile::open(&path).unwrap().data_start();
+    flip(&path, start + 12_345);
+    let f = SafetensorsFile::open(&path).unwrap();
+    let e = f
+        .verify(&expected(Some(file), &[("a", a), ("b", b)]), 2, 4096)
+        .unwrap_err();
+    assert_eq!(e.kind(), "Integrity");
+    let msg = e.to_string();
+    assert!(msg.contains("v.safetensors: tensor \"a\": crc32c"), "{msg}");
+    assert!(
+        msg.contains(&format!("{a:08x} recorded in fastckpt.json")),
+        "{msg}"
+    );
+    assert!(!msg.contains("\"b\""), "{msg}");
+    // a check of "b" alone reads only "b", which is intact
+    f.verify(&expected(None, &[("b", b)]), 2, 4096).unwrap();
+}
+
+#[test]
+fn a_whole_file_difference_outside_the_tensors_names_the_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (file, a, b)) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    let e = f
+        .verify(&expected(Some(file ^ 1), &[("a", a), ("b", b)]), 1, 1 << 20)
+        .unwrap_err();
+    assert_eq!(e.kind(), "Integrity");
+    assert!(e.to_string().contains("the header or its padding"), "{e}");
+}
+
+#[test]
+fn a_recorded_tensor_the_file_lacks_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (_, a, _)) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    let e = f
+        .verify(&expected(None, &[("a", a), ("gone", 7)]), 1, 1 << 20)
+        .unwrap_err();
+    assert_eq!(e.kind(), "Integrity");
+    assert!(
+        e.to_string()
+            .contains("tensor \"gone\" is recorded in fastckpt.json but absent"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_closed_file_is_an_invalid_argument() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (_, a, _)) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    f.close();
+    let e = f
+        .verify(&expected(None, &[("a", a)]), 1, 1 << 20)
+        .unwrap_err();
+    assert_eq!(e.kind(), "InvalidArgument");
+}
