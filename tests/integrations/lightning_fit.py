@@ -2,8 +2,9 @@
 
 Imported by ``test_lightning.py`` (one process) and run as a script by it for two processes
 (``python lightning_fit.py OUT_DIR``: ``strategy="ddp"``, gloo, ``devices=2``; Lightning's subprocess launcher starts
-the second process, which runs this script again). Every scenario runs inside that one launch; process 0 writes
-``OUT_DIR/results.json`` (one entry per scenario: whether the resumed run matched the uninterrupted one).
+the second process, which runs this script again). Every scenario runs inside that one launch; process ``r``
+writes ``OUT_DIR/results_{r}.json`` (one entry per scenario: how the resumed run differed from the uninterrupted
+one).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import fastckpt.lightning
 
@@ -50,17 +52,24 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def loader(distributed: bool, stateful: bool = True) -> torch.utils.data.DataLoader:
-    """A shuffled loader whose order is set by the epoch (a ``DistributedSampler``; with two processes Lightning
-    puts one in itself). ``stateful``: torchdata's resumable ``StatefulDataLoader``, whose position Lightning
-    saves in ``loops``, so a mid-epoch resume goes on with the next batch (a plain DataLoader restarts the
-    epoch). Its own ``generator`` keeps the loader from drawing on the global RNG (dropout's)."""
+def loader(world_size: int = 1, stateful: bool = True) -> torch.utils.data.DataLoader:
+    """A shuffled loader whose order is set by the epoch alone, with the sampler set by us for this process
+    (``LOCAL_RANK``) of ``world_size`` (seed 7; Lightning keeps a ``DistributedSampler`` it is given).
+
+    ``stateful``: torchdata's resumable ``StatefulDataLoader`` with torchdata's ``StatefulDistributedSampler``;
+    Lightning saves the loader's position in ``loops`` and a mid-epoch resume goes on with the next batch. The
+    sampler must be stateful: a plain ``DistributedSampler`` is fast-forwarded when Lightning applies the loader
+    state, before its ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order. Not ``shuffle=True``:
+    torchdata's ``RandomSampler`` is no torch ``RandomSampler``, so with several processes Lightning wraps it in a
+    ``DistributedSamplerWrapper``, whose order follows the inner sampler's ``generator``, saved nowhere.
+    Otherwise a plain DataLoader + ``DistributedSampler`` (a mid-epoch resume restarts the epoch). The loader's
+    own ``generator`` keeps it from drawing on the global RNG (dropout's)."""
     g = torch.Generator().manual_seed(1234)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
-    if distributed:
-        return cls(data, batch_size=4, shuffle=True, generator=torch.Generator())
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    sampler_cls = StatefulDistributedSampler if stateful else torch.utils.data.DistributedSampler
+    sampler = sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7)
     return cls(data, batch_size=4, sampler=sampler, generator=torch.Generator())
 
 
@@ -77,7 +86,7 @@ def fit(max_steps: int, root: Path, *, ckpt_path: str | None = None, plugin: Any
     model = TinyModule()
     t = trainer(max_steps, plugin if plugin is not None else fastckpt.lightning.CheckpointIO(), callbacks or [], root,
                 **kwargs)
-    t.fit(model, loader(kwargs.get("strategy") == "ddp", stateful), ckpt_path=ckpt_path)
+    t.fit(model, loader(kwargs.get("devices", 1), stateful), ckpt_path=ckpt_path)
     return t, model
 
 
@@ -118,16 +127,26 @@ class TorchIOWithRng(TorchCheckpointIO):
         return checkpoint
 
 
+def limits(steps: int, by_epochs: bool, devices: int = 1) -> tuple[int, dict[str, int]]:
+    """The Trainer's stop: ``max_steps=steps``, or with ``by_epochs`` the epochs those steps fill (and no
+    ``max_steps``): :func:`fit`'s ``max_steps`` and extra Trainer arguments."""
+    return (-1, {"max_epochs": steps // (BATCHES // devices)}) if by_epochs else (steps, {})
+
+
 def stopped_and_resumed(root: Path, stop: int, total: int, plugin: Any, *, at_epoch_end: bool = False,
-                        **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+                        by_epochs: bool = False, **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
     """``stop`` steps saving through ``plugin()`` with ModelCheckpoint (after step ``stop``, or with
-    ``at_epoch_end`` at the end of the epoch that step closes), then a resume from that checkpoint to ``total``."""
+    ``at_epoch_end`` at the end of the epoch that step closes), then a resume from that checkpoint to ``total``
+    (``by_epochs``: the Trainer stops by ``max_epochs``, see :func:`limits`)."""
     dirpath = root / "ckpts"
     every = {"every_n_epochs": 1, "save_on_train_epoch_end": True} if at_epoch_end else {"every_n_train_steps": stop}
-    fit(stop, root / "first", plugin=plugin(), callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, **every)],
-        **kwargs)
+    devices = kwargs.get("devices", 1)
+    steps, extra = limits(stop, by_epochs, devices)
+    fit(steps, root / "first", plugin=plugin(), callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, **every)],
+        **extra, **kwargs)
     ckpt = next(p for p in sorted(dirpath.iterdir()) if p.name.endswith(f"step={stop}.ckpt"))
-    return fit(total, root / "resumed", ckpt_path=str(ckpt), plugin=plugin(), **kwargs)
+    steps, extra = limits(total, by_epochs, devices)
+    return fit(steps, root / "resumed", ckpt_path=str(ckpt), plugin=plugin(), **extra, **kwargs)
 
 
 def compare(reference: tuple[pl.Trainer, TinyModule], resumed: tuple[pl.Trainer, TinyModule],
@@ -140,15 +159,24 @@ def compare(reference: tuple[pl.Trainer, TinyModule], resumed: tuple[pl.Trainer,
     return problems
 
 
+def uninterrupted(root: Path, total: int, *, by_epochs: bool = False, plugin_kwargs: dict | None = None,
+                  **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+    """``total`` steps in one go (no checkpoint callback)."""
+    steps, extra = limits(total, by_epochs, kwargs.get("devices", 1))
+    return fit(steps, root, plugin=fastckpt.lightning.CheckpointIO(**(plugin_kwargs or {})), **extra, **kwargs)
+
+
 def resume_matches(root: Path, stop: int, total: int, *, plugin_kwargs: dict | None = None,
-                   **kwargs: Any) -> list[str]:
-    """An uninterrupted run of ``total`` steps against ``stop`` steps + a resume through fastckpt's plugin from
-    ModelCheckpoint's step-``stop`` folder (torchdata's resumable loader); the differences, empty when
-    bit-identical."""
+                   full: tuple[pl.Trainer, TinyModule] | None = None, **kwargs: Any) -> list[str]:
+    """An uninterrupted run of ``total`` steps (or ``full``, such a run made before with the same arguments)
+    against ``stop`` steps + a resume through fastckpt's plugin from ModelCheckpoint's step-``stop`` folder; the
+    differences, empty when bit-identical. ``kwargs``: :func:`stopped_and_resumed`'s and the Trainer's."""
     def plugin() -> Any:
         return fastckpt.lightning.CheckpointIO(**(plugin_kwargs or {}))
 
-    full = fit(total, root / "full", plugin=plugin(), **kwargs)
+    if full is None:
+        full = uninterrupted(root / "full", total, by_epochs=kwargs.get("by_epochs", False),
+                             **{k: v for k, v in kwargs.items() if k not in ("by_epochs", "at_epoch_end")})
     ckpt_dir = root / "resume" / "ckpts"
     problems = compare(full, stopped_and_resumed(root / "resume", stop, total, plugin, **kwargs), stop)
     if not all(p.is_dir() for p in ckpt_dir.iterdir()):
@@ -159,12 +187,12 @@ def resume_matches(root: Path, stop: int, total: int, *, plugin_kwargs: dict | N
 def matches_torch_io(root: Path, stop: int, total: int, *, at_epoch_end: bool = False,
                      plugin_kwargs: dict | None = None, **kwargs: Any) -> list[str]:
     """A resume through fastckpt's plugin against the same resume through Lightning's ``TorchCheckpointIO`` (+ the
-    same RNG states): where Lightning's loops themselves do not replay an uninterrupted run (an epoch-end
-    checkpoint with a plain DataLoader; see the test module), fastckpt must change nothing of what they do."""
+    same RNG states): where Lightning's loops themselves do not replay an uninterrupted run (a checkpoint made in
+    ``on_train_epoch_end`` of a run stopped by ``max_steps``; see the test module), fastckpt must change nothing of
+    what they do."""
     def ours() -> Any:
         return fastckpt.lightning.CheckpointIO(**(plugin_kwargs or {}))
 
-    kwargs.setdefault("stateful", not at_epoch_end)
     resumed = stopped_and_resumed(root / "fastckpt", stop, total, ours, at_epoch_end=at_epoch_end, **kwargs)
     reference = stopped_and_resumed(root / "torch", stop, total, TorchIOWithRng, at_epoch_end=at_epoch_end,
                                     **kwargs)
@@ -172,19 +200,22 @@ def matches_torch_io(root: Path, stop: int, total: int, *, at_epoch_end: bool = 
 
 
 def main(out: Path) -> None:
-    """Every two-process scenario in one launch; process 0 writes ``results.json``."""
+    """Every two-process scenario in one launch, each against the uninterrupted run; process ``r`` writes its
+    differences (its own losses included) to ``results_{r}.json``."""
     warnings.filterwarnings("ignore")
     kwargs = {"strategy": "ddp", "accelerator": "cpu", "devices": 2}
     half = BATCHES // 2  # steps per epoch on each of two processes
+    by_steps = uninterrupted(out / "full_steps", 3 * half, **kwargs)
+    by_epochs = uninterrupted(out / "full_epochs", 3 * half, by_epochs=True, **kwargs)
     results = {
-        "mid_epoch": matches_torch_io(out / "mid_epoch", half + 1, 3 * half, **kwargs),
-        "epoch_boundary": matches_torch_io(out / "epoch_boundary", half, 3 * half, at_epoch_end=True, **kwargs),
-        "async": matches_torch_io(out / "async", half + 1, 3 * half, plugin_kwargs={"async_save": True}, **kwargs),
-        # reported, not asserted: Lightning's own DDP mid-epoch resume (either plugin) vs an uninterrupted run
-        "mid_epoch_vs_uninterrupted": resume_matches(out / "uninterrupted", half + 1, 3 * half, **kwargs),
+        "mid_epoch": resume_matches(out / "mid_epoch", half + 1, 3 * half, full=by_steps, **kwargs),
+        "async": resume_matches(out / "async", half + 1, 3 * half, full=by_steps, plugin_kwargs={"async_save": True},
+                                **kwargs),
+        "last_batch": resume_matches(out / "last_batch", half, 3 * half, full=by_steps, stateful=False, **kwargs),
+        "epoch_end": resume_matches(out / "epoch_end", half, 3 * half, full=by_epochs, at_epoch_end=True,
+                                    by_epochs=True, **kwargs),
     }
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        (out / "results.json").write_text(json.dumps(results))
+    (out / f"results_{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

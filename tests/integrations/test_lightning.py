@@ -1,11 +1,30 @@
 """``fastckpt.lightning.CheckpointIO`` with the real ``pytorch_lightning.Trainer.fit`` on CPU.
 
 A run stopped after step N and resumed with ``ckpt_path=`` continues bit for bit as the uninterrupted run (logged
-losses, final weights, optimizer and scheduler state, ``global_step``, epoch), mid-epoch with torchdata's resumable
-loader. At an epoch's end with a plain DataLoader Lightning's loops themselves do not replay the uninterrupted
-run's data order exactly (the first resumed step matches, the next batches do not; the same with Lightning's own
-``TorchCheckpointIO``), so there the resume is compared with the same resume through ``TorchCheckpointIO``.
-Two processes (``strategy="ddp"``, gloo) run as one script launch (``lightning_fit.py``).
+losses, final weights, optimizer and scheduler state, ``global_step``, epoch), in one and two processes
+(``strategy="ddp"``, gloo, one script launch: ``lightning_fit.py``), with this recipe (``lightning_fit.loader``):
+
+* mid-epoch: torchdata's ``StatefulDataLoader`` with a stateful sampler set by the user
+  (``StatefulDistributedSampler``, any number of processes), whose position Lightning saves in ``loops``;
+* at an epoch's end: ``ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)`` in a run bounded by
+  ``max_epochs`` (any loader), or a checkpoint after the epoch's last batch (``every_n_train_steps``) with a plain
+  DataLoader.
+
+Where stock Lightning itself does not resume exactly, the same happens with its own ``TorchCheckpointIO`` (+ the
+same RNG states), and the tests compare with that resume instead (found by logging each step's batch, RNG hashes
+and sampler epoch in both runs):
+
+* ``on_train_epoch_end`` checkpoint + ``max_steps``: ``_FitLoop.restarting`` stays True for iteration-based
+  training, so the epoch loop restarts on its last batch and, with no validation run (``_is_validation_done`` is
+  False while restarting), trains one extra batch in the finished epoch; every later batch is shifted.
+* checkpoint after an epoch's last batch + ``StatefulDataLoader``: the fit loop moves on to the next epoch but
+  still applies the loader state of the finished one (all samples yielded), so that epoch yields no batch and its
+  data is skipped.
+* ``StatefulDataLoader`` + a plain ``DistributedSampler``: Lightning applies the loader state (which fast-forwards
+  the sampler eagerly) before its ``set_epoch``, so a resume in epoch >= 1 replays epoch 0's order.
+* ``StatefulDataLoader(shuffle=True)`` with several processes: torchdata's ``RandomSampler`` is no torch
+  ``RandomSampler``, so Lightning wraps it in a ``DistributedSamplerWrapper``, whose order follows the inner
+  sampler's ``generator``, which no checkpoint state holds.
 """
 
 from __future__ import annotations
@@ -36,16 +55,30 @@ import lightning_fit as lf  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def test_mid_epoch_resume_is_bit_identical(tmp_path):
-    assert lf.resume_matches(tmp_path, 5, 20) == []  # 8 batches per epoch: stops in epoch 0, ends in epoch 2
+@pytest.mark.parametrize("stop", [5, 13])  # 8 batches per epoch: stops in epoch 0 or 1, ends in epoch 2
+def test_mid_epoch_resume_is_bit_identical(tmp_path, stop):
+    assert lf.resume_matches(tmp_path, stop, 20) == []
 
 
 def test_async_save_resume_is_bit_identical(tmp_path):
     assert lf.resume_matches(tmp_path, 5, 20, plugin_kwargs={"async_save": True}) == []
 
 
-def test_epoch_end_resume_equals_lightnings_own_plugin(tmp_path):
-    assert lf.matches_torch_io(tmp_path, 8, 20, at_epoch_end=True) == []
+@pytest.mark.parametrize("stateful", [True, False])
+def test_epoch_end_resume_is_bit_identical(tmp_path, stateful):
+    assert lf.resume_matches(tmp_path, 8, 24, at_epoch_end=True, by_epochs=True, stateful=stateful) == []
+
+
+def test_last_batch_resume_is_bit_identical(tmp_path):
+    assert lf.resume_matches(tmp_path, 8, 20, stateful=False) == []
+
+
+@pytest.mark.parametrize("case", ["epoch_end_max_steps", "last_batch_stateful"])
+def test_lightnings_own_inexact_resumes_equal_its_own_plugin(tmp_path, case):
+    """The two epoch-boundary resumes stock Lightning does not replay exactly (see the module docs): fastckpt's
+    plugin changes nothing of what its loops do."""
+    kwargs = {"at_epoch_end": True, "stateful": False} if case == "epoch_end_max_steps" else {"stateful": True}
+    assert lf.matches_torch_io(tmp_path, 8, 20, **kwargs) == []
 
 
 def test_resume_through_lightnings_async_wrapper(tmp_path):
@@ -130,12 +163,15 @@ def test_pickle_part_needs_trust_and_weights_only_refuses_it(tmp_path):
 
 
 def test_two_processes_ddp(tmp_path):
-    """Every 2-process scenario in one Lightning launch (subprocess launcher), compared on process 0."""
+    """Every 2-process scenario in one Lightning launch (subprocess launcher), each against the uninterrupted
+    2-process run: mid-epoch (in epoch 1), async, after an epoch's last batch, at an epoch's end."""
     script = Path(__file__).parent / "lightning_fit.py"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with warnings.catch_warnings():
         proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
                               timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["mid_epoch"] == [] and results["epoch_boundary"] == [] and results["async"] == []
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"results_{rank}.json").read_text())
+        assert set(results) == {"mid_epoch", "async", "last_batch", "epoch_end"}
+        assert results == {name: [] for name in results}, rank
