@@ -18,13 +18,13 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import fastckpt.lightning
+from fastckpt.lightning.rng import collect_rng_states, restore_rng_states
 
 BATCHES = 8  # samples 32, batch 4: 8 batches per epoch in one process (4 per process with two)
 
@@ -58,8 +58,9 @@ def loader(world_size: int = 1, stateful: bool = True) -> torch.utils.data.DataL
 
     ``stateful``: torchdata's resumable ``StatefulDataLoader`` with torchdata's ``StatefulDistributedSampler``;
     Lightning saves the loader's position in ``loops`` and a mid-epoch resume goes on with the next batch. The
-    sampler must be stateful: a plain ``DistributedSampler`` is fast-forwarded when Lightning applies the loader
-    state, before its ``set_epoch``, so a resume in epoch >= 1 would replay epoch 0's order. Not ``shuffle=True``:
+    sampler must be one whose order is drawn lazily: torchdata's batch sampler calls ``iter(sampler)`` when the
+    loader's iterator is made, which Lightning does before ``set_epoch`` in the first epoch after a resume, so a
+    plain ``DistributedSampler`` would replay epoch 0's order there. Not ``shuffle=True``:
     torchdata's ``RandomSampler`` is no torch ``RandomSampler``, so with several processes Lightning wraps it in a
     ``DistributedSamplerWrapper``, whose order follows the inner sampler's ``generator``, saved nowhere.
     Otherwise a plain DataLoader + ``DistributedSampler`` (a mid-epoch resume restarts the epoch). The loader's
@@ -80,9 +81,11 @@ def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: 
 
 
 def fit(max_steps: int, root: Path, *, ckpt_path: str | None = None, plugin: Any = None,
-        callbacks: list | None = None, stateful: bool = True, **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
-    """A run from the same seed: ``max_steps`` steps, or from ``ckpt_path`` up to ``max_steps``."""
-    pl.seed_everything(0, verbose=False)
+        callbacks: list | None = None, stateful: bool = True, seed_per_rank: bool = False,
+        **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+    """A run from the same seed (``seed_per_rank``: seed 1000 * rank on each process, so the processes draw other
+    dropout masks): ``max_steps`` steps, or from ``ckpt_path`` up to ``max_steps``."""
+    pl.seed_everything(1000 * int(os.environ.get("LOCAL_RANK", "0")) if seed_per_rank else 0, verbose=False)
     model = TinyModule()
     t = trainer(max_steps, plugin if plugin is not None else fastckpt.lightning.CheckpointIO(), callbacks or [], root,
                 **kwargs)
@@ -119,11 +122,11 @@ class TorchIOWithRng(TorchCheckpointIO):
     through fastckpt must equal bit for bit where Lightning's loops themselves do not resume exactly."""
 
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
-        super().save_checkpoint({**checkpoint, fastckpt.lightning.RNG_KEY: _collect_rng_states()}, path)
+        super().save_checkpoint({**checkpoint, fastckpt.lightning.RNG_KEY: collect_rng_states()}, path)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
         checkpoint = super().load_checkpoint(path, weights_only=False)
-        _set_rng_states(checkpoint.pop(fastckpt.lightning.RNG_KEY))
+        restore_rng_states(checkpoint.pop(fastckpt.lightning.RNG_KEY))
         return checkpoint
 
 
@@ -134,15 +137,18 @@ def limits(steps: int, by_epochs: bool, devices: int = 1) -> tuple[int, dict[str
 
 
 def stopped_and_resumed(root: Path, stop: int, total: int, plugin: Any, *, at_epoch_end: bool = False,
-                        by_epochs: bool = False, **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+                        by_epochs: bool = False, rank_rng: bool = False,
+                        **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
     """``stop`` steps saving through ``plugin()`` with ModelCheckpoint (after step ``stop``, or with
     ``at_epoch_end`` at the end of the epoch that step closes), then a resume from that checkpoint to ``total``
-    (``by_epochs``: the Trainer stops by ``max_epochs``, see :func:`limits`)."""
+    (``by_epochs``: the Trainer stops by ``max_epochs``, see :func:`limits`; ``rank_rng``: with the
+    ``RankRNGStates`` callback)."""
     dirpath = root / "ckpts"
     every = {"every_n_epochs": 1, "save_on_train_epoch_end": True} if at_epoch_end else {"every_n_train_steps": stop}
     devices = kwargs.get("devices", 1)
     steps, extra = limits(stop, by_epochs, devices)
-    fit(steps, root / "first", plugin=plugin(), callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, **every)],
+    callbacks = [ModelCheckpoint(dirpath=dirpath, save_top_k=-1, **every)]
+    fit(steps, root / "first", plugin=plugin(), callbacks=callbacks + [fastckpt.lightning.RankRNGStates()] * rank_rng,
         **extra, **kwargs)
     ckpt = next(p for p in sorted(dirpath.iterdir()) if p.name.endswith(f"step={stop}.ckpt"))
     steps, extra = limits(total, by_epochs, devices)
@@ -176,7 +182,7 @@ def resume_matches(root: Path, stop: int, total: int, *, plugin_kwargs: dict | N
 
     if full is None:
         full = uninterrupted(root / "full", total, by_epochs=kwargs.get("by_epochs", False),
-                             **{k: v for k, v in kwargs.items() if k not in ("by_epochs", "at_epoch_end")})
+                             **{k: v for k, v in kwargs.items() if k not in ("by_epochs", "at_epoch_end", "rank_rng")})
     ckpt_dir = root / "resume" / "ckpts"
     problems = compare(full, stopped_and_resumed(root / "resume", stop, total, plugin, **kwargs), stop)
     if not all(p.is_dir() for p in ckpt_dir.iterdir()):
@@ -215,6 +221,13 @@ def main(out: Path) -> None:
         "epoch_end": resume_matches(out / "epoch_end", half, 3 * half, full=by_epochs, at_epoch_end=True,
                                     by_epochs=True, **kwargs),
     }
+    # processes seeded differently: exact with every process's RNG states (RankRNGStates); without them process
+    # 1 resumes with process 0's states (the negative control: must differ)
+    seeded = uninterrupted(out / "full_seeded", 3 * half, seed_per_rank=True, **kwargs)
+    results["rank_seeds"] = resume_matches(out / "rank_seeds", half + 1, 3 * half, full=seeded, seed_per_rank=True,
+                                           rank_rng=True, **kwargs)
+    results["rank_seeds_without_callback"] = resume_matches(out / "rank_seeds_plain", half + 1, 3 * half,
+                                                            full=seeded, seed_per_rank=True, **kwargs)
     (out / f"results_{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(results))
 
 

@@ -20,8 +20,11 @@ and sampler epoch in both runs):
 * checkpoint after an epoch's last batch + ``StatefulDataLoader``: the fit loop moves on to the next epoch but
   still applies the loader state of the finished one (all samples yielded), so that epoch yields no batch and its
   data is skipped.
-* ``StatefulDataLoader`` + a plain ``DistributedSampler``: Lightning applies the loader state (which fast-forwards
-  the sampler eagerly) before its ``set_epoch``, so a resume in epoch >= 1 replays epoch 0's order.
+* ``StatefulDataLoader`` + a plain ``DistributedSampler``: torchdata's batch sampler calls ``iter(sampler)`` (which
+  fixes a ``DistributedSampler``'s order by its epoch) when the loader's iterator is made, and in the first epoch
+  after a resume Lightning makes it before ``set_epoch``, so a resume in epoch >= 1 replays epoch 0's order
+  (``StatefulDistributedSampler.__iter__`` is a generator: its order is drawn at the first batch, after
+  ``set_epoch``).
 * ``StatefulDataLoader(shuffle=True)`` with several processes: torchdata's ``RandomSampler`` is no torch
   ``RandomSampler``, so Lightning wraps it in a ``DistributedSamplerWrapper``, whose order follows the inner
   sampler's ``generator``, which no checkpoint state holds.
@@ -164,14 +167,63 @@ def test_pickle_part_needs_trust_and_weights_only_refuses_it(tmp_path):
 
 def test_two_processes_ddp(tmp_path):
     """Every 2-process scenario in one Lightning launch (subprocess launcher), each against the uninterrupted
-    2-process run: mid-epoch (in epoch 1), async, after an epoch's last batch, at an epoch's end."""
+    2-process run: mid-epoch (in epoch 1), async, after an epoch's last batch, at an epoch's end, and processes
+    seeded differently (with ``RankRNGStates``; without it process 1's resumed losses differ)."""
     script = Path(__file__).parent / "lightning_fit.py"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with warnings.catch_warnings():
         proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
                               timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank in (0, 1):
-        results = json.loads((tmp_path / f"results_{rank}.json").read_text())
-        assert set(results) == {"mid_epoch", "async", "last_batch", "epoch_end"}
-        assert results == {name: [] for name in results}, rank
+    results = [json.loads((tmp_path / f"results_{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, got in enumerate(results):
+        assert set(got) == {"mid_epoch", "async", "last_batch", "epoch_end", "rank_seeds",
+                            "rank_seeds_without_callback"}
+        plain = got.pop("rank_seeds_without_callback")
+        assert got == {name: [] for name in got}, rank
+        # without RankRNGStates process 1 resumes with process 0's RNG states: its first resumed step's dropout
+        # masks, so its loss, differ (process 0's first loss matches), and the gradients of both from then on
+        first_step_differs = any(p.startswith("losses[0]") for p in plain)
+        assert plain and first_step_differs == (rank == 1), (rank, plain)
+
+
+def test_rng_states_of_another_world_size_warn_and_old_format_loads(tmp_path):
+    torch.manual_seed(3)
+    saved = fastckpt.lightning.rng.collect_rng_states()
+    expected = torch.rand(3)
+    assert saved["world_size"] == 1 and len(saved["ranks"]) == 1
+    fastckpt.save({"epoch": 0, fastckpt.lightning.RNG_KEY: {"world_size": 2, "ranks": saved["ranks"] * 2}},
+                  tmp_path / "two.ckpt")
+    fastckpt.save({"epoch": 0, fastckpt.lightning.RNG_KEY: saved["ranks"][0]}, tmp_path / "old.ckpt")
+    fastckpt.save({"epoch": 0, fastckpt.lightning.RNG_KEY: [1, 2]}, tmp_path / "bad.ckpt")
+    with pytest.warns(UserWarning, match="saved by 2 processes and this run has 1"):
+        assert fastckpt.lightning.CheckpointIO().load_checkpoint(tmp_path / "two.ckpt") == {"epoch": 0}
+    assert torch.equal(torch.rand(3), expected)
+    torch.manual_seed(4)
+    assert fastckpt.lightning.CheckpointIO().load_checkpoint(tmp_path / "old.ckpt") == {"epoch": 0}
+    assert torch.equal(torch.rand(3), expected)
+    with pytest.raises(ValueError, match="fastckpt_rng_states"):
+        fastckpt.lightning.CheckpointIO().load_checkpoint(tmp_path / "bad.ckpt")
+    torch.manual_seed(5)
+    untouched = torch.get_rng_state()
+    assert fastckpt.lightning.CheckpointIO(restore_rng=False).load_checkpoint(tmp_path / "two.ckpt") == {"epoch": 0}
+    assert torch.equal(torch.get_rng_state(), untouched)
+
+
+def test_load_from_checkpoint_reads_the_folders(tmp_path):
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_last="link")
+    _, model = lf.fit(6, tmp_path, callbacks=[callback])
+    last = tmp_path / "ckpts" / "last.ckpt"
+    with pytest.raises(IsADirectoryError):  # Lightning's own reads files with torch.load
+        lf.TinyModule.load_from_checkpoint(last)
+    torch.manual_seed(9)
+    lf.TinyModule()  # its __init__ draws the initial weights
+    rng = torch.get_rng_state()
+    torch.manual_seed(9)
+    loaded = fastckpt.lightning.load_from_checkpoint(lf.TinyModule, last, map_location="cpu", lr=0.5)
+    assert type(loaded) is lf.TinyModule and loaded.hparams.hidden == 16 and loaded.hparams.lr == 0.5
+    assert list(loaded.state_dict()) == list(model.state_dict())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)  # the checkpoint's RNG states were not applied
+    with pytest.raises(RuntimeError, match="size mismatch"):  # the saved weights do not fit hidden=8
+        fastckpt.lightning.load_from_checkpoint(lf.TinyModule, last, hidden=8)
