@@ -52,7 +52,7 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def loader(world_size: int = 1, stateful: bool = True) -> torch.utils.data.DataLoader:
+def loader(world_size: int = 1, stateful: bool = True, sampler: str = "auto") -> torch.utils.data.DataLoader:
     """A shuffled loader whose order is set by the epoch alone, with the sampler set by us for this process
     (``LOCAL_RANK``) of ``world_size`` (seed 7; Lightning keeps a ``DistributedSampler`` it is given).
 
@@ -63,15 +63,18 @@ def loader(world_size: int = 1, stateful: bool = True) -> torch.utils.data.DataL
     plain ``DistributedSampler`` would replay epoch 0's order there. Not ``shuffle=True``:
     torchdata's ``RandomSampler`` is no torch ``RandomSampler``, so with several processes Lightning wraps it in a
     ``DistributedSamplerWrapper``, whose order follows the inner sampler's ``generator``, saved nowhere.
-    Otherwise a plain DataLoader + ``DistributedSampler`` (a mid-epoch resume restarts the epoch). The loader's
-    own ``generator`` keeps it from drawing on the global RNG (dropout's)."""
+    Otherwise (or with ``sampler="plain"``) a plain ``DistributedSampler``, with ``stateful=False`` in a plain
+    DataLoader (a mid-epoch resume restarts the epoch); ``sampler="shuffle"``: ``shuffle=True`` and no sampler of
+    ours. The loader's own ``generator`` keeps it from drawing on the global RNG (dropout's)."""
     g = torch.Generator().manual_seed(1234)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
+    if sampler == "shuffle":
+        return cls(data, batch_size=4, shuffle=True, generator=torch.Generator())
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    sampler_cls = StatefulDistributedSampler if stateful else torch.utils.data.DistributedSampler
-    sampler = sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7)
-    return cls(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    sampler_cls = StatefulDistributedSampler if stateful and sampler == "auto" else torch.utils.data.DistributedSampler
+    return cls(data, batch_size=4, sampler=sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7),
+               generator=torch.Generator())
 
 
 def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: Any) -> pl.Trainer:
@@ -81,15 +84,15 @@ def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: 
 
 
 def fit(max_steps: int, root: Path, *, ckpt_path: str | None = None, plugin: Any = None,
-        callbacks: list | None = None, stateful: bool = True, seed_per_rank: bool = False,
-        **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+        callbacks: list | None = None, stateful: bool = True, sampler: str = "auto",
+        seed_per_rank: bool = False, **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
     """A run from the same seed (``seed_per_rank``: seed 1000 * rank on each process, so the processes draw other
     dropout masks): ``max_steps`` steps, or from ``ckpt_path`` up to ``max_steps``."""
     pl.seed_everything(1000 * int(os.environ.get("LOCAL_RANK", "0")) if seed_per_rank else 0, verbose=False)
     model = TinyModule()
     t = trainer(max_steps, plugin if plugin is not None else fastckpt.lightning.CheckpointIO(), callbacks or [], root,
                 **kwargs)
-    t.fit(model, loader(kwargs.get("devices", 1), stateful), ckpt_path=ckpt_path)
+    t.fit(model, loader(kwargs.get("devices", 1), stateful, sampler), ckpt_path=ckpt_path)
     return t, model
 
 
@@ -228,6 +231,8 @@ def main(out: Path) -> None:
                                            rank_rng=True, **kwargs)
     results["rank_seeds_without_callback"] = resume_matches(out / "rank_seeds_plain", half + 1, 3 * half,
                                                             full=seeded, seed_per_rank=True, **kwargs)
+    # stock Lightning's inexact DDP case (StatefulDataLoader(shuffle=True) in a DistributedSamplerWrapper): must differ
+    results["shuffle_true"] = resume_matches(out / "shuffle_true", half + 1, 3 * half, sampler="shuffle", **kwargs)
     (out / f"results_{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(results))
 
 
