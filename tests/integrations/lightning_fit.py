@@ -2,8 +2,9 @@
 
 Imported by ``test_lightning.py`` (one process) and run as a script by it for two processes
 (``python lightning_fit.py OUT_DIR``: ``strategy="ddp"``, gloo, ``devices=2``; Lightning's subprocess launcher starts
-the second process, which runs this script again). Every scenario runs inside that one launch; process 0 writes
-``OUT_DIR/results.json`` (one entry per scenario: whether the resumed run matched the uninterrupted one).
+the second process, which runs this script again). Every scenario runs inside that one launch; process ``r``
+writes ``OUT_DIR/results_{r}.json`` (one entry per scenario: how the resumed run differed from the uninterrupted
+one).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import fastckpt.lightning
+from fastckpt.lightning.rng import collect_rng_states, restore_rng_states
 
 BATCHES = 8  # samples 32, batch 4: 8 batches per epoch in one process (4 per process with two)
 
@@ -50,18 +52,29 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def loader(distributed: bool, stateful: bool = True) -> torch.utils.data.DataLoader:
-    """A shuffled loader whose order is set by the epoch (a ``DistributedSampler``; with two processes Lightning
-    puts one in itself). ``stateful``: torchdata's resumable ``StatefulDataLoader``, whose position Lightning
-    saves in ``loops``, so a mid-epoch resume goes on with the next batch (a plain DataLoader restarts the
-    epoch). Its own ``generator`` keeps the loader from drawing on the global RNG (dropout's)."""
+def loader(world_size: int = 1, stateful: bool = True, sampler: str = "auto") -> torch.utils.data.DataLoader:
+    """A shuffled loader whose order is set by the epoch alone, with the sampler set by us for this process
+    (``LOCAL_RANK``) of ``world_size`` (seed 7; Lightning keeps a ``DistributedSampler`` it is given).
+
+    ``stateful``: torchdata's resumable ``StatefulDataLoader`` with torchdata's ``StatefulDistributedSampler``;
+    Lightning saves the loader's position in ``loops`` and a mid-epoch resume goes on with the next batch. The
+    sampler must be one whose order is drawn lazily: torchdata's batch sampler calls ``iter(sampler)`` when the
+    loader's iterator is made, which Lightning does before ``set_epoch`` in the first epoch after a resume, so a
+    plain ``DistributedSampler`` would replay epoch 0's order there. Not ``shuffle=True``:
+    torchdata's ``RandomSampler`` is no torch ``RandomSampler``, so with several processes Lightning wraps it in a
+    ``DistributedSamplerWrapper``, whose order follows the inner sampler's ``generator``, saved nowhere.
+    Otherwise (or with ``sampler="plain"``) a plain ``DistributedSampler``, with ``stateful=False`` in a plain
+    DataLoader (a mid-epoch resume restarts the epoch); ``sampler="shuffle"``: ``shuffle=True`` and no sampler of
+    ours. The loader's own ``generator`` keeps it from drawing on the global RNG (dropout's)."""
     g = torch.Generator().manual_seed(1234)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
-    if distributed:
+    if sampler == "shuffle":
         return cls(data, batch_size=4, shuffle=True, generator=torch.Generator())
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7)
-    return cls(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    sampler_cls = StatefulDistributedSampler if stateful and sampler == "auto" else torch.utils.data.DistributedSampler
+    return cls(data, batch_size=4, sampler=sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7),
+               generator=torch.Generator())
 
 
 def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: Any) -> pl.Trainer:
@@ -71,13 +84,15 @@ def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: 
 
 
 def fit(max_steps: int, root: Path, *, ckpt_path: str | None = None, plugin: Any = None,
-        callbacks: list | None = None, stateful: bool = True, **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
-    """A run from the same seed: ``max_steps`` steps, or from ``ckpt_path`` up to ``max_steps``."""
-    pl.seed_everything(0, verbose=False)
+        callbacks: list | None = None, stateful: bool = True, sampler: str = "auto",
+        seed_per_rank: bool = False, **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+    """A run from the same seed (``seed_per_rank``: seed 1000 * rank on each process, so the processes draw other
+    dropout masks): ``max_steps`` steps, or from ``ckpt_path`` up to ``max_steps``."""
+    pl.seed_everything(1000 * int(os.environ.get("LOCAL_RANK", "0")) if seed_per_rank else 0, verbose=False)
     model = TinyModule()
     t = trainer(max_steps, plugin if plugin is not None else fastckpt.lightning.CheckpointIO(), callbacks or [], root,
                 **kwargs)
-    t.fit(model, loader(kwargs.get("strategy") == "ddp", stateful), ckpt_path=ckpt_path)
+    t.fit(model, loader(kwargs.get("devices", 1), stateful, sampler), ckpt_path=ckpt_path)
     return t, model
 
 
@@ -110,24 +125,37 @@ class TorchIOWithRng(TorchCheckpointIO):
     through fastckpt must equal bit for bit where Lightning's loops themselves do not resume exactly."""
 
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
-        super().save_checkpoint({**checkpoint, fastckpt.lightning.RNG_KEY: _collect_rng_states()}, path)
+        super().save_checkpoint({**checkpoint, fastckpt.lightning.RNG_KEY: collect_rng_states()}, path)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
         checkpoint = super().load_checkpoint(path, weights_only=False)
-        _set_rng_states(checkpoint.pop(fastckpt.lightning.RNG_KEY))
+        restore_rng_states(checkpoint.pop(fastckpt.lightning.RNG_KEY))
         return checkpoint
 
 
+def limits(steps: int, by_epochs: bool, devices: int = 1) -> tuple[int, dict[str, int]]:
+    """The Trainer's stop: ``max_steps=steps``, or with ``by_epochs`` the epochs those steps fill (and no
+    ``max_steps``): :func:`fit`'s ``max_steps`` and extra Trainer arguments."""
+    return (-1, {"max_epochs": steps // (BATCHES // devices)}) if by_epochs else (steps, {})
+
+
 def stopped_and_resumed(root: Path, stop: int, total: int, plugin: Any, *, at_epoch_end: bool = False,
+                        by_epochs: bool = False, rank_rng: bool = False,
                         **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
     """``stop`` steps saving through ``plugin()`` with ModelCheckpoint (after step ``stop``, or with
-    ``at_epoch_end`` at the end of the epoch that step closes), then a resume from that checkpoint to ``total``."""
+    ``at_epoch_end`` at the end of the epoch that step closes), then a resume from that checkpoint to ``total``
+    (``by_epochs``: the Trainer stops by ``max_epochs``, see :func:`limits`; ``rank_rng``: with the
+    ``RankRNGStates`` callback)."""
     dirpath = root / "ckpts"
     every = {"every_n_epochs": 1, "save_on_train_epoch_end": True} if at_epoch_end else {"every_n_train_steps": stop}
-    fit(stop, root / "first", plugin=plugin(), callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, **every)],
-        **kwargs)
+    devices = kwargs.get("devices", 1)
+    steps, extra = limits(stop, by_epochs, devices)
+    callbacks = [ModelCheckpoint(dirpath=dirpath, save_top_k=-1, **every)]
+    fit(steps, root / "first", plugin=plugin(), callbacks=callbacks + [fastckpt.lightning.RankRNGStates()] * rank_rng,
+        **extra, **kwargs)
     ckpt = next(p for p in sorted(dirpath.iterdir()) if p.name.endswith(f"step={stop}.ckpt"))
-    return fit(total, root / "resumed", ckpt_path=str(ckpt), plugin=plugin(), **kwargs)
+    steps, extra = limits(total, by_epochs, devices)
+    return fit(steps, root / "resumed", ckpt_path=str(ckpt), plugin=plugin(), **extra, **kwargs)
 
 
 def compare(reference: tuple[pl.Trainer, TinyModule], resumed: tuple[pl.Trainer, TinyModule],
@@ -140,15 +168,24 @@ def compare(reference: tuple[pl.Trainer, TinyModule], resumed: tuple[pl.Trainer,
     return problems
 
 
+def uninterrupted(root: Path, total: int, *, by_epochs: bool = False, plugin_kwargs: dict | None = None,
+                  **kwargs: Any) -> tuple[pl.Trainer, TinyModule]:
+    """``total`` steps in one go (no checkpoint callback)."""
+    steps, extra = limits(total, by_epochs, kwargs.get("devices", 1))
+    return fit(steps, root, plugin=fastckpt.lightning.CheckpointIO(**(plugin_kwargs or {})), **extra, **kwargs)
+
+
 def resume_matches(root: Path, stop: int, total: int, *, plugin_kwargs: dict | None = None,
-                   **kwargs: Any) -> list[str]:
-    """An uninterrupted run of ``total`` steps against ``stop`` steps + a resume through fastckpt's plugin from
-    ModelCheckpoint's step-``stop`` folder (torchdata's resumable loader); the differences, empty when
-    bit-identical."""
+                   full: tuple[pl.Trainer, TinyModule] | None = None, **kwargs: Any) -> list[str]:
+    """An uninterrupted run of ``total`` steps (or ``full``, such a run made before with the same arguments)
+    against ``stop`` steps + a resume through fastckpt's plugin from ModelCheckpoint's step-``stop`` folder; the
+    differences, empty when bit-identical. ``kwargs``: :func:`stopped_and_resumed`'s and the Trainer's."""
     def plugin() -> Any:
         return fastckpt.lightning.CheckpointIO(**(plugin_kwargs or {}))
 
-    full = fit(total, root / "full", plugin=plugin(), **kwargs)
+    if full is None:
+        full = uninterrupted(root / "full", total, by_epochs=kwargs.get("by_epochs", False),
+                             **{k: v for k, v in kwargs.items() if k not in ("by_epochs", "at_epoch_end", "rank_rng")})
     ckpt_dir = root / "resume" / "ckpts"
     problems = compare(full, stopped_and_resumed(root / "resume", stop, total, plugin, **kwargs), stop)
     if not all(p.is_dir() for p in ckpt_dir.iterdir()):
@@ -159,12 +196,12 @@ def resume_matches(root: Path, stop: int, total: int, *, plugin_kwargs: dict | N
 def matches_torch_io(root: Path, stop: int, total: int, *, at_epoch_end: bool = False,
                      plugin_kwargs: dict | None = None, **kwargs: Any) -> list[str]:
     """A resume through fastckpt's plugin against the same resume through Lightning's ``TorchCheckpointIO`` (+ the
-    same RNG states): where Lightning's loops themselves do not replay an uninterrupted run (an epoch-end
-    checkpoint with a plain DataLoader; see the test module), fastckpt must change nothing of what they do."""
+    same RNG states): where Lightning's loops themselves do not replay an uninterrupted run (a checkpoint made in
+    ``on_train_epoch_end`` of a run stopped by ``max_steps``; see the test module), fastckpt must change nothing of
+    what they do."""
     def ours() -> Any:
         return fastckpt.lightning.CheckpointIO(**(plugin_kwargs or {}))
 
-    kwargs.setdefault("stateful", not at_epoch_end)
     resumed = stopped_and_resumed(root / "fastckpt", stop, total, ours, at_epoch_end=at_epoch_end, **kwargs)
     reference = stopped_and_resumed(root / "torch", stop, total, TorchIOWithRng, at_epoch_end=at_epoch_end,
                                     **kwargs)
@@ -172,19 +209,31 @@ def matches_torch_io(root: Path, stop: int, total: int, *, at_epoch_end: bool = 
 
 
 def main(out: Path) -> None:
-    """Every two-process scenario in one launch; process 0 writes ``results.json``."""
+    """Every two-process scenario in one launch, each against the uninterrupted run; process ``r`` writes its
+    differences (its own losses included) to ``results_{r}.json``."""
     warnings.filterwarnings("ignore")
     kwargs = {"strategy": "ddp", "accelerator": "cpu", "devices": 2}
     half = BATCHES // 2  # steps per epoch on each of two processes
+    by_steps = uninterrupted(out / "full_steps", 3 * half, **kwargs)
+    by_epochs = uninterrupted(out / "full_epochs", 3 * half, by_epochs=True, **kwargs)
     results = {
-        "mid_epoch": matches_torch_io(out / "mid_epoch", half + 1, 3 * half, **kwargs),
-        "epoch_boundary": matches_torch_io(out / "epoch_boundary", half, 3 * half, at_epoch_end=True, **kwargs),
-        "async": matches_torch_io(out / "async", half + 1, 3 * half, plugin_kwargs={"async_save": True}, **kwargs),
-        # reported, not asserted: Lightning's own DDP mid-epoch resume (either plugin) vs an uninterrupted run
-        "mid_epoch_vs_uninterrupted": resume_matches(out / "uninterrupted", half + 1, 3 * half, **kwargs),
+        "mid_epoch": resume_matches(out / "mid_epoch", half + 1, 3 * half, full=by_steps, **kwargs),
+        "async": resume_matches(out / "async", half + 1, 3 * half, full=by_steps, plugin_kwargs={"async_save": True},
+                                **kwargs),
+        "last_batch": resume_matches(out / "last_batch", half, 3 * half, full=by_steps, stateful=False, **kwargs),
+        "epoch_end": resume_matches(out / "epoch_end", half, 3 * half, full=by_epochs, at_epoch_end=True,
+                                    by_epochs=True, **kwargs),
     }
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        (out / "results.json").write_text(json.dumps(results))
+    # processes seeded differently: exact with every process's RNG states (RankRNGStates); without them process
+    # 1 resumes with process 0's states (the negative control: must differ)
+    seeded = uninterrupted(out / "full_seeded", 3 * half, seed_per_rank=True, **kwargs)
+    results["rank_seeds"] = resume_matches(out / "rank_seeds", half + 1, 3 * half, full=seeded, seed_per_rank=True,
+                                           rank_rng=True, **kwargs)
+    results["rank_seeds_without_callback"] = resume_matches(out / "rank_seeds_plain", half + 1, 3 * half,
+                                                            full=seeded, seed_per_rank=True, **kwargs)
+    # stock Lightning's inexact DDP case (StatefulDataLoader(shuffle=True) in a DistributedSamplerWrapper): must differ
+    results["shuffle_true"] = resume_matches(out / "shuffle_true", half + 1, 3 * half, sampler="shuffle", **kwargs)
+    (out / f"results_{os.environ.get('LOCAL_RANK', '0')}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ through :meth:`CheckpointIO.remove_checkpoint`, ``save_last="link"`` makes ``las
 (removing a link removes the link only, and a save to a path that is a link replaces the link, never the
 checkpoint it points to).
 
-Lightning itself saves no RNG state, so a resumed run would draw other dropout masks. The plugin adds this
-process's RNG states (Lightning's own ``_collect_rng_states``: torch, CUDA, numpy, Python) under
-``"fastckpt_rng_states"`` and :meth:`CheckpointIO.load_checkpoint` restores them (``restore_rng=True``) and takes
-the key out again. Only process 0 saves: with several processes its states are restored on every process, which
-is exact when every process was seeded alike (``seed_everything``); a mid-epoch resume also needs a resumable
-DataLoader (``torchdata``'s ``StatefulDataLoader`` with a ``generator``), whose position Lightning saves in
-``loops``.
+Lightning itself saves no RNG state, so a resumed run would draw other dropout masks. The plugin adds process 0's
+RNG states under ``"fastckpt_rng_states"`` (every process's with the :class:`~fastckpt.lightning.RankRNGStates`
+callback) and :meth:`CheckpointIO.load_checkpoint` restores this process's (``restore_rng=True``) and takes the
+key out again; see :mod:`fastckpt.lightning.rng`. A mid-epoch resume also needs a resumable DataLoader
+(``torchdata``'s ``StatefulDataLoader`` with a stateful sampler), whose position Lightning saves in ``loops``; the
+README's Lightning section gives the recipe for an exact resume and the cases stock Lightning cannot resume exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from pytorch_lightning.plugins.io import CheckpointIO as _LightningCheckpointIO
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -34,12 +32,10 @@ from fastckpt._io.async_writer import finish_pending, wait_for_saves_to
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session
 from fastckpt._io.layout import remove_checkpoint_dir
 from fastckpt.errors import UnsafePickleError
+from fastckpt.lightning.rng import RNG_KEY, collect_rng_states, restore_rng_states
 from fastckpt.plain import load, save
 
-__all__ = ["CheckpointIO", "RNG_KEY"]
-
-RNG_KEY = "fastckpt_rng_states"
-
+__all__ = ["CheckpointIO"]
 
 class CheckpointIO(_LightningCheckpointIO):
     """A Lightning ``CheckpointIO`` plugin writing pickle-free, crash-safe checkpoint folders.
@@ -55,8 +51,8 @@ class CheckpointIO(_LightningCheckpointIO):
         trust_pickle: values of the checkpoint that only pickle can store (a custom object in
             ``hyper_parameters``) go to the checkpoint's pickle part, and :meth:`load_checkpoint` reads it unless
             ``weights_only=True``. Default False: such a value raises ``TypeError`` naming its key path.
-        restore_rng: :meth:`load_checkpoint` restores the RNG states saved with the checkpoint (see the module
-            docs).
+        restore_rng: :meth:`load_checkpoint` restores this process's RNG states saved with the checkpoint (see
+            :mod:`fastckpt.lightning.rng`; warns when another number of processes saved them).
         durable: fsync files and folders before each commit.
         threads: writer threads; 0 picks min(8, cores).
         timeout: seconds :meth:`teardown` waits for the other processes (several processes only).
@@ -111,7 +107,7 @@ class CheckpointIO(_LightningCheckpointIO):
             target.unlink()
         target.parent.mkdir(parents=True, exist_ok=True)  # now, not on the writer thread: Lightning links into it
         state = dict(checkpoint)
-        state.setdefault(RNG_KEY, _collect_rng_states(include_cuda=torch.cuda.is_available()))
+        state.setdefault(RNG_KEY, collect_rng_states())  # RankRNGStates put every process's there
         save(state, target, trust_pickle=self.trust_pickle, async_save=self.async_save,
              optimizers=list(self._optimizers) if self.async_save is True else None,
              host_memory_budget=self.host_memory_budget, durable=self.durable, threads=self.threads)
@@ -144,7 +140,7 @@ class CheckpointIO(_LightningCheckpointIO):
                                     "trust_pickle=True)") from None
         rng = checkpoint.pop(RNG_KEY, None) if isinstance(checkpoint, dict) else None
         if rng is not None and self.restore_rng:
-            _set_rng_states(rng)
+            restore_rng_states(rng)
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
