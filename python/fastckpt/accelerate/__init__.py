@@ -18,6 +18,13 @@ every process reads the shared files and its own RNG file; if any process finds 
 object changes. No step waits forever: a process that died or never called the function makes the others raise
 :class:`~fastckpt.errors.CollectiveTimeoutError` within ``timeout`` seconds.
 
+The diffusers pattern, ``if accelerator.is_main_process: fastckpt.accelerate.save_state(accelerator, path)``, works
+as with stock accelerate: when none of the other processes joins the save within
+:data:`fastckpt._io.participation.GRACE` seconds (3 s), the main process saves alone (the shared files and its own
+``random_states_0`` file; a later load on several processes warns on the others that their RNG states were not
+saved and keeps them). A sharded FSDP2 model cannot be saved that way (every process holds part of its state): the
+main process says so after those seconds instead of waiting out ``timeout``.
+
 FSDP2 (``DistributedType.FSDP``, ``fsdp_version=2``): with ``SHARDED_STATE_DICT`` every process writes its shards
 through torch.distributed.checkpoint into the same atomic commit (see :mod:`fastckpt._plan.sharded_save`), and a
 load reshards to any number of processes; with ``FULL_STATE_DICT`` the state is gathered to the main process and
@@ -38,7 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, check_timeout, gather_to_main, on_main
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
 from fastckpt._io.layout import (
     checkpoint_layout,
@@ -47,6 +54,7 @@ from fastckpt._io.layout import (
     rotate_checkpoints,
 )
 from fastckpt._io.log import log_load
+from fastckpt._io.participation import GRACE, participants
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
@@ -54,7 +62,7 @@ from fastckpt._state.rng import RngRestoreWarning, rng_payload
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
 from fastckpt.checkpoint import LoadResult
-from fastckpt.errors import MissingStateError
+from fastckpt.errors import CheckpointError, MissingStateError
 
 __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -130,7 +138,7 @@ def save_state(
         share_unchanged: as :func:`fastckpt.save_state`: frozen tensors in shards of their own, hard-linked from
             the previous checkpoint of ``project_dir`` when unchanged. Not with ``compat="accelerate"``.
         timeout: seconds each process waits for the others at any step before raising
-            :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or only some called save_state).
+            :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or some but not all called save_state).
         async_save: as :func:`fastckpt.save_state`: ``True`` streams parameters and optimizer state in the
             background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written),
             ``"snapshot"`` copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
@@ -146,14 +154,44 @@ def save_state(
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         TypeError: state that cannot be stored without pickle (fastckpt layout; names its path).
         KeyMismatchError, DtypeError, OSError: as :func:`fastckpt.save_state`; nothing is left behind.
-        CheckpointError: on the other processes when the main process failed (names its error).
+        CheckpointError: on the other processes when the main process failed (names its error); on the main
+            process when it alone called save_state for an FSDP2 model (sharded or gathered state needs every
+            process).
+
+    Called on the main process only (``if accelerator.is_main_process:``, the diffusers examples), the main process
+    saves alone once no other process has joined within 3 s (:mod:`fastckpt._io.participation`): the shared files
+    and ``random_states_0`` only, as stock accelerate writes them there. Called on every process, it is the one
+    atomic commit of every process's files.
 
     Example:
         >>> model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
+        >>> if accelerator.is_main_process:  # also works: the main process's files and RNG state
+        ...     fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
+    kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
+                  threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                  share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
+                  host_memory_budget=host_memory_budget)
+    what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
+    if participants(what, timeout) == "all":
+        return _save(accelerator, output_dir, fsdp, **kwargs)
+    if fsdp is not None:  # the state is sharded or gathered: every process holds part of it
+        raise CheckpointError(
+            f"{what}: called on the main process only, but the model is sharded (FSDP2 {fsdp}): every process "
+            f"holds part of its state, so every process must call fastckpt.accelerate.save_state (none of the "
+            f"other {accelerator.num_processes - 1} joined within {min(GRACE, timeout):g} s); "
+            "call it outside `if accelerator.is_main_process:`")
+    with alone():  # the diffusers pattern: the main process's files and its RNG file, as stock accelerate writes
+        return _save(accelerator, output_dir, fsdp, **kwargs)
+
+
+def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bool, compat: str | None,
+          max_shard_size: Any, durable: bool, threads: int, trainable_only: bool, trainable_buffers: Sequence[str],
+          dtype: Any, share_unchanged: bool, timeout: float, async_save: bool | str,
+          host_memory_budget: Any) -> Path | AsyncSave:
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
     if async_save not in (False, True, "snapshot"):
