@@ -47,7 +47,7 @@ __all__ = [
     "MANIFEST", "FORMAT_VERSION", "part_name", "random_states_name", "read_manifest", "manifest_dict",
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
     "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY", "listed_files",
-    "unlisted_files", "count_problems",
+    "unlisted_files", "count_problems", "remove_folders",
 ]
 
 MANIFEST = "fastckpt.json"
@@ -412,14 +412,19 @@ def rotate_checkpoints(project_dir: Path, total_limit: int, *, model_only: bool 
     Each is first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it stops counting at once and a
     removal cut short never leaves a half-deleted ``checkpoint_N`` behind; the next save clears such leftovers.
     """
-    from fastckpt._io.staging import OwnedPath
-
     if total_limit < 1:
         raise ValueError(f"total_limit must be >= 1, got {total_limit}")
     numbers = checkpoint_numbers(project_dir, model_only=model_only, full_only=not model_only)
-    removed = []
-    for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
-        with OwnedPath(numbers[n].parent, numbers[n].name, "trash") as trash:
-            os.rename(numbers[n], trash.path)
-        removed.append(numbers[n])
+    removed = [numbers[n] for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]]
+    remove_folders(removed)
     return removed
+
+
+def remove_folders(folders: list[Path]) -> None:
+    """Remove checkpoint folders, each first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it
+    stops counting at once and a removal cut short never leaves a half-deleted checkpoint behind."""
+    from fastckpt._io.staging import OwnedPath
+
+    for folder in folders:
+        with OwnedPath(folder.parent, folder.name, "trash") as trash:
+            os.rename(folder, trash.path)

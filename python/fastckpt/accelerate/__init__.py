@@ -40,7 +40,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -169,12 +169,29 @@ def save_state(
         >>> if accelerator.is_main_process:  # also works: the main process's files and RNG state
         ...     fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
+    return save_with_files(accelerator, output_dir, model_only=model_only, compat=compat,
+                           max_shard_size=max_shard_size, durable=durable, threads=threads,
+                           trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                           share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
+                           host_memory_budget=host_memory_budget)
+
+
+def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str | bytes] | None = None,
+                    after_commit: Callable[[Path], None] | None = None, model_only: bool = False,
+                    compat: str | None = None, max_shard_size: Any = _DEFAULT, durable: bool = True,
+                    threads: int = 0, trainable_only: bool = False, trainable_buffers: Sequence[str] = (),
+                    dtype: Any = None, share_unchanged: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                    async_save: bool | str = False, host_memory_budget: Any = None) -> Path | AsyncSave:
+    """:func:`save_state` for adapters built on it (:mod:`fastckpt.transformers`): ``files`` (name -> text or
+    bytes, written by the main process) go into the same atomic commit, listed and checksummed in the manifest;
+    ``after_commit(folder)`` runs on the main process once the checkpoint is committed (on the writer thread for
+    async saves), e.g. to rotate older checkpoints. Other arguments: as :func:`save_state`."""
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
     kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
                   threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
                   share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
-                  host_memory_budget=host_memory_budget)
+                  host_memory_budget=host_memory_budget, files=files, after_commit=after_commit)
     what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
     if participants(what, timeout) == "all":
         return _save(accelerator, output_dir, fsdp, **kwargs)
@@ -191,7 +208,8 @@ def save_state(
 def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bool, compat: str | None,
           max_shard_size: Any, durable: bool, threads: int, trainable_only: bool, trainable_buffers: Sequence[str],
           dtype: Any, share_unchanged: bool, timeout: float, async_save: bool | str,
-          host_memory_budget: Any) -> Path | AsyncSave:
+          host_memory_budget: Any, files: dict[str, str | bytes] | None,
+          after_commit: Callable[[Path], None] | None) -> Path | AsyncSave:
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
     if async_save not in (False, True, "snapshot"):
@@ -205,6 +223,8 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
         if compat:
             raise ValueError("compat='accelerate' does not apply to FSDP2 SHARDED_STATE_DICT (its shards are a "
                              "torch.distributed.checkpoint folder); use FULL_STATE_DICT for accelerate's files")
+        if files or after_commit is not None:
+            raise NotImplementedError("extra files and after_commit are not supported for FSDP2 SHARDED_STATE_DICT")
         return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
                              timeout=timeout)
     if max_shard_size is _DEFAULT:
@@ -246,7 +266,7 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
 
     optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
     plan_optimizers = full_optimizers if full_optimizers is not None else optimizers
-    after_commit: list = []  # share_unchanged: called with the folder once it is committed
+    share_hooks: list = []  # share_unchanged: called with the folder once it is committed
 
     def build() -> Any:
         from fastckpt._plan.accelerate_format import build_accelerate_plan
@@ -260,23 +280,29 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
                                    max_shard_size=None if share_unchanged else max_shard_size, model_states=weights,
                                    rng_states=rng, trainable_only=trainable_only,
                                    trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
+        for name, text in (files or {}).items():
+            if name in plan.texts or any(p.name == name for p in plan.parts):
+                raise ValueError(f"{name}: a file of the checkpoint's own layout; pick another name")
+            plan.texts[name] = text
         if not model_only:
             plan.counts["processes"] = len(rng or [])
             add_tracked_objects(plan, accelerator, compat=bool(compat))
         if share_unchanged:
             from fastckpt._plan.share import plan_sharing, previous_checkpoint
 
-            after_commit.append(plan_sharing(plan, unwrapped, previous_checkpoint(project_root(accelerator), target),
+            share_hooks.append(plan_sharing(plan, unwrapped, previous_checkpoint(project_root(accelerator), target),
                                              max_shard_size=max_shard_size, threads=threads))
         return plan
 
     def rotate() -> None:
-        for hook in after_commit:
+        for hook in share_hooks:
             if hook is not None:
                 hook(target)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
             rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)
+        if after_commit is not None:
+            after_commit(target)
 
     def write() -> Path:
         from fastckpt._io.commit import write_checkpoint
