@@ -62,10 +62,10 @@ def arguments(out, **overrides) -> TrainingArguments:
 
 
 def run(kind: str, out, *, stop_at: int | None = None, resume=None, eval_dataset=None, seed: int = 0,
-        trainer_kwargs: dict | None = None, **overrides):
+        trainer_kwargs: dict | None = None, callbacks: tuple = (), **overrides):
     cls = fastckpt.transformers.Trainer if kind == "fastckpt" else transformers.Trainer
     trainer = cls(model=model(seed), args=arguments(out, **overrides), train_dataset=Dataset(),
-                  eval_dataset=eval_dataset, callbacks=[StopAt(stop_at)] if stop_at else None,
+                  eval_dataset=eval_dataset, callbacks=[*callbacks, *([StopAt(stop_at)] if stop_at else [])],
                   **(trainer_kwargs or {}))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
