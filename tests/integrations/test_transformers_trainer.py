@@ -197,3 +197,32 @@ def test_bad_async_option_raises():
     with pytest.raises(ValueError, match="fastckpt_async_save must be False, True or 'snapshot'"):
         fastckpt.transformers.CheckpointMixin.__init__(object.__new__(fastckpt.transformers.CheckpointMixin),
                                                        fastckpt_async_save="yes")
+
+
+def test_save_model_writes_no_pickle(uninterrupted, tmp_path):
+    _, full = uninterrupted
+    full.save_model(str(tmp_path / "final"))
+    names = sorted(p.name for p in (tmp_path / "final").iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "training_args.json"]
+    assert json.loads((tmp_path / "final" / "training_args.json").read_text())["max_steps"] == 10
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "final")
+    live = weights(full)
+    assert all(torch.equal(v, live[k]) for k, v in again.state_dict().items())
+
+
+def test_the_processing_class_files_join_the_commit(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), unk_token="[UNK]",
+        pad_token="[UNK]")
+    run("fastckpt", tmp_path / "run", stop_at=4, trainer_kwargs={"processing_class": tok})
+    tok.save_pretrained(tmp_path / "stock")
+    folder = tmp_path / "run" / "checkpoint-4"
+    manifest = json.loads((folder / "fastckpt.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (tmp_path / "stock" / name).read_bytes()
+        assert name in manifest["files"]
+    again = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    assert again("a a")["input_ids"] == tok("a a")["input_ids"]

@@ -15,6 +15,7 @@ Trainer method                     here
 ``_load_scaler``                   the RNG states are put back as they were: Trainer restores them later)
 ``_load_rng_state``                this process's ``random_states_{rank}.safetensors``, when Trainer asks
 ``_load_best_model``               the weights of ``state.best_model_checkpoint``
+``_save`` (``save_model``)         as Trainer's, with ``training_args.json`` instead of ``training_args.bin``
 ``train``                          ``resume_from_checkpoint=True``: the latest *finished* checkpoint
 =================================  ===================================================================
 
@@ -37,6 +38,7 @@ import torch
 
 import fastckpt
 import fastckpt.accelerate
+from fastckpt._io.commit import write_text
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, check_timeout
 from fastckpt._io.folder import open_safetensors
 from fastckpt._io.layout import random_states_name, saved_mode
@@ -100,7 +102,8 @@ class CheckpointMixin:
         fastckpt_timeout: seconds a process waits for the others at any step of a multi-process save or load.
 
     Raises:
-        NotImplementedError: DeepSpeed, FSDP, SageMaker MP or XLA training (their engines keep their own files).
+        NotImplementedError: DeepSpeed, FSDP, tensor-parallel, SageMaker MP or XLA training (their engines keep
+            their own files).
         ValueError: a bad ``fastckpt_async_save`` or ``fastckpt_timeout``.
     """
 
@@ -119,6 +122,7 @@ class CheckpointMixin:
 
         engine = ("DeepSpeed" if getattr(self, "is_deepspeed_enabled", False)
                   else "FSDP" if getattr(self, "is_fsdp_enabled", False)
+                  else "tensor-parallel (tp_plan)" if getattr(self, "is_distributed_loading_by_transformers", False)
                   else "SageMaker model parallelism" if is_sagemaker_mp_enabled()
                   else "XLA" if is_torch_xla_available() else None)
         if engine is not None:
@@ -184,6 +188,25 @@ class CheckpointMixin:
         if self.args.push_to_hub:
             self._fastckpt_wait()
             self._push_from_checkpoint(output_dir)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``Trainer._save`` (``save_model``: the weights through ``save_pretrained``, the processing class), with
+        the training arguments as ``training_args.json`` instead of the pickled ``training_args.bin``."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
+        else:  # a plain torch.nn.Module: its state dict as model.safetensors, as Trainer writes it
+            fastckpt.save_state(model, model_only=True, output_dir=output_dir)
+        processor = self.processing_class
+        if processor is None and getattr(self.data_collator, "tokenizer", None) is not None:
+            processor = self.data_collator.tokenizer
+        if processor is not None:
+            processor.save_pretrained(output_dir)
+        write_text(Path(output_dir) / "training_args.json", self.args.to_json_string() + "\n", durable=True)
 
     # -- loading -----------------------------------------------------------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
