@@ -159,9 +159,20 @@ def test_a_stock_file_that_needs_full_unpickling_is_refused(tmp_path):
         run("fastckpt", tmp_path, resume=True, seed=3)
 
 
-def test_async_save_gives_the_same_run_and_checkpoints(uninterrupted, tmp_path):
+def test_async_save_gives_the_same_run_and_checkpoints(uninterrupted, tmp_path, monkeypatch):
+    from fastckpt._io.async_writer import AsyncSave
+
     out, full = uninterrupted
+    in_flight = []
+    save = fastckpt.transformers.CheckpointMixin._save_checkpoint
+
+    def recorded(self, model, trial):
+        save(self, model, trial)
+        in_flight.append(type(self._fastckpt_pending))  # training goes on while this one is written
+
+    monkeypatch.setattr(fastckpt.transformers.CheckpointMixin, "_save_checkpoint", recorded)
     ours = run("fastckpt", tmp_path, trainer_kwargs={"fastckpt_async_save": True})
+    assert in_flight == [AsyncSave] * 3 and ours._fastckpt_pending is None  # committed before train() returned
     assert losses(ours) == losses(full) and same_weights(ours, full)
     for n in (4, 8, 10):
         a = st.load_file(tmp_path / f"checkpoint-{n}" / "model.safetensors")

@@ -177,7 +177,8 @@ def save_state(
 
 
 def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str | bytes] | None = None,
-                    after_commit: Callable[[Path], None] | None = None, model_only: bool = False,
+                    after_commit: Callable[[Path], None] | None = None, every_process: bool = False,
+                    model_only: bool = False,
                     compat: str | None = None, max_shard_size: Any = _DEFAULT, durable: bool = True,
                     threads: int = 0, trainable_only: bool = False, trainable_buffers: Sequence[str] = (),
                     dtype: Any = None, share_unchanged: bool = False, timeout: float = DEFAULT_TIMEOUT,
@@ -185,7 +186,9 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
     """:func:`save_state` for adapters built on it (:mod:`fastckpt.transformers`): ``files`` (name -> text or
     bytes, written by the main process) go into the same atomic commit, listed and checksummed in the manifest;
     ``after_commit(folder)`` runs on the main process once the checkpoint is committed (on the writer thread for
-    async saves), e.g. to rotate older checkpoints. Other arguments: as :func:`save_state`."""
+    async saves), e.g. to rotate older checkpoints; ``every_process=True``: the caller knows every process calls
+    this save (Trainer does), so the main process does not check who joins (no main-process-only save). Other
+    arguments: as :func:`save_state`."""
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
     kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
@@ -193,7 +196,7 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
                   share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
                   host_memory_budget=host_memory_budget, files=files, after_commit=after_commit)
     what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
-    if participants(what, timeout) == "all":
+    if every_process or participants(what, timeout) == "all":
         return _save(accelerator, output_dir, fsdp, **kwargs)
     if fsdp is not None:  # the state is sharded or gathered: every process holds part of it
         raise CheckpointError(

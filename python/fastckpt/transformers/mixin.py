@@ -180,7 +180,7 @@ class CheckpointMixin:
             folders.rotate(run_dir, limit, best_dir)
 
         result = fastckpt.accelerate.save_with_files(
-            _TrainerObjects(self), output_dir, files=self._fastckpt_files(), after_commit=rotate,
+            _TrainerObjects(self), output_dir, files=self._fastckpt_files(), after_commit=rotate, every_process=True,
             model_only=bool(self.args.save_only_model), timeout=self.fastckpt_timeout,
             async_save=self.fastckpt_async_save)
         if self.fastckpt_async_save:
