@@ -19,8 +19,6 @@ import fastckpt
 import fastckpt.transformers
 from fastckpt.errors import UnsafePickleError
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' own deprecation notices
-
 
 def same_weights(a, b) -> bool:
     wa, wb = weights(a), weights(b)
