@@ -59,6 +59,7 @@ from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
+from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
 from fastckpt.checkpoint import LoadResult
@@ -68,34 +69,7 @@ __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
 
 #: accelerate's ``save_model`` default; applies to fastckpt's layout (``compat="accelerate"`` is unsharded).
 DEFAULT_MAX_SHARD_SIZE = "10GB"
-_UNSUPPORTED = {
-    "DEEPSPEED": "DeepSpeed keeps its engine's own sharded files: use accelerator.save_state / load_state",
-    "MEGATRON_LM": "Megatron-LM keeps its own sharded files: use accelerator.save_state / load_state",
-    "XLA": "XLA tensors live on TPU devices: use accelerator.save_state / load_state",
-}
 _DEFAULT: Any = object()
-
-
-def _check_supported(accelerator: Any) -> str | None:
-    """None, or the FSDP2 state_dict_type (``"SHARDED_STATE_DICT"`` / ``"FULL_STATE_DICT"``).
-
-    Raises:
-        NotImplementedError: DeepSpeed, Megatron-LM, XLA, or FSDP1 (each names what to use instead).
-    """
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind in _UNSUPPORTED:
-        raise NotImplementedError(f"fastckpt.accelerate does not handle DistributedType.{kind}: {_UNSUPPORTED[kind]}")
-    if kind != "FSDP":
-        return None
-    plugin = accelerator.state.fsdp_plugin
-    if getattr(plugin, "fsdp_version", 1) != 2:
-        raise NotImplementedError("fastckpt.accelerate handles FSDP2 only (FullyShardedDataParallelPlugin("
-                                  "fsdp_version=2)); for FSDP1 use accelerator.save_state / load_state")
-    sdt = str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type)).rsplit(".", 1)[-1]
-    if sdt not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        raise NotImplementedError(f"fastckpt.accelerate handles FSDP2 with SHARDED_STATE_DICT or FULL_STATE_DICT, "
-                                  f"not {sdt}; use accelerator.save_state / load_state")
-    return sdt
 
 
 def save_state(
@@ -189,8 +163,10 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
     async saves), e.g. to rotate older checkpoints; ``every_process=True``: the caller knows every process calls
     this save (Trainer does), so the main process does not check who joins (no main-process-only save). Other
     arguments: as :func:`save_state`."""
-    fsdp = _check_supported(accelerator)
+    fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
+    check_save_args(fsdp, compat=compat, trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                     async_save=async_save, extras=bool(files) or after_commit is not None)
     kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
                   threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
                   share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
@@ -213,21 +189,7 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
           dtype: Any, share_unchanged: bool, timeout: float, async_save: bool | str,
           host_memory_budget: Any, files: dict[str, str | bytes] | None,
           after_commit: Callable[[Path], None] | None) -> Path | AsyncSave:
-    if compat is not None and (trainable_only or dtype is not None or share_unchanged):
-        raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
-    if async_save not in (False, True, "snapshot"):
-        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
-    if async_save and fsdp is not None:
-        raise ValueError("async_save does not apply to FSDP2 yet (its state is gathered or written through "
-                         "torch.distributed.checkpoint); save with async_save=False")
-    if compat not in (None, "accelerate"):
-        raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
     if fsdp == "SHARDED_STATE_DICT":
-        if compat:
-            raise ValueError("compat='accelerate' does not apply to FSDP2 SHARDED_STATE_DICT (its shards are a "
-                             "torch.distributed.checkpoint folder); use FULL_STATE_DICT for accelerate's files")
-        if files or after_commit is not None:
-            raise NotImplementedError("extra files and after_commit are not supported for FSDP2 SHARDED_STATE_DICT")
         return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
                              timeout=timeout)
     if max_shard_size is _DEFAULT:
@@ -400,7 +362,7 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
-    fsdp = _check_supported(accelerator)
+    fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
                      timeout=timeout)
