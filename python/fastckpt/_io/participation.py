@@ -10,9 +10,10 @@ touch the store, so the main process decides alone, in the process group's key-v
   the newest one is decided, waits for the next one; a round of another save (rank 0 names its operation and
   target in ``.../{g}/what``) is an error on that rank at once, never a save of mixed calls;
 - rank 0 decides once, in ``.../{g}/decision``: ``"all"`` as soon as every other rank joined; after
-  :data:`GRACE` seconds (at most ``timeout``) ``"all"`` if some joined (the missing ones then get the normal
-  ``timeout``, and a CollectiveTimeoutError names them), ``"main"`` if none did. Every rank follows that one key,
-  so no two ranks disagree, whatever the timing: a rank that joins just after ``"main"`` waits for the next round.
+  :data:`GRACE` seconds (at most ``timeout``) ``"all"`` if some joined (the missing ones may still join that
+  round, within the normal ``timeout``, after which a CollectiveTimeoutError names them), ``"main"`` if none did.
+  Every rank follows that one key, so no two ranks disagree, whatever the timing: a rank that joins just after
+  ``"main"`` waits for the next round.
 
 A save the others take part in costs them nothing extra (they are there within milliseconds of each other, since
 data-parallel training steps are in lock step); a save of the main process alone waits :data:`GRACE` seconds first,
@@ -63,7 +64,8 @@ def _decide(store, what: str, world: int, grace: float) -> str:
     everyone = _poll(lambda: _counter(store, joined) >= world - 1, grace)
     decision = "all" if everyone or _counter(store, joined) > 0 else "main"
     store.set(f"{_PREFIX}/{g}/decision", decision)
-    for old in (f"{_PREFIX}/{g - 2}/{k}" for k in ("what", "joined", "decision")):  # every rank is past round g - 2
+    # every rank is past round g - 2; its decision key stays (a few bytes), so a rank can never take it for open
+    for old in (f"{_PREFIX}/{g - 2}/{k}" for k in ("what", "joined")):
         try:
             store.delete_key(old)
         except Exception:  # a store without delete_key: the keys are a few bytes
@@ -71,12 +73,21 @@ def _decide(store, what: str, world: int, grace: float) -> str:
     return decision
 
 
-def _join(store, what: str, timeout: float) -> str:
+def _open(store, g: int, world: int) -> bool:
+    """Whether this rank may join round ``g``: not yet decided, or decided ``"all"`` with a place still free (a
+    rank that comes after the others joined and the grace ended, in a world of more than two)."""
+    key = f"{_PREFIX}/{g}/decision"
+    if not store.check([key]):
+        return True
+    return store.get(key).decode() == "all" and _counter(store, f"{_PREFIX}/{g}/joined") < world - 1
+
+
+def _join(store, what: str, world: int, timeout: float) -> str:
     seen = -1
     deadline = time.monotonic() + timeout
     while True:
         g = _counter(store, f"{_PREFIX}/round")
-        if g > seen and g > 0 and not store.check([f"{_PREFIX}/{g}/decision"]):
+        if g > seen and g > 0 and _open(store, g, world):
             key = f"{_PREFIX}/{g}/what"
             if not _poll(lambda key=key: store.check([key]), max(0.0, deadline - time.monotonic())):
                 break
@@ -85,11 +96,11 @@ def _join(store, what: str, timeout: float) -> str:
                 raise CheckpointError(
                     f"{what}: process {dist.get_rank()} called it while process 0 is in {theirs}; every process "
                     "must make the same save calls (or only the main process saves)")
-            store.add(f"{_PREFIX}/{g}/joined", 1)
+            place = int(store.add(f"{_PREFIX}/{g}/joined", 1))
             key = f"{_PREFIX}/{g}/decision"
             if not _poll(lambda key=key: store.check([key]), max(0.0, deadline - time.monotonic())):
                 break
-            if store.get(key).decode() == "all":
+            if store.get(key).decode() == "all" and place <= world - 1:
                 return "all"
         seen = max(seen, g)  # decided without this process: wait for the main process's next save
         if not _poll(lambda seen=seen: _counter(store, f"{_PREFIX}/round") > seen, max(0.0, deadline - time.monotonic())):
@@ -119,7 +130,7 @@ def participants(what: str, timeout: float, grace: float | None = None) -> str:
     try:
         if dist.get_rank() == 0:
             return _decide(store, what, dist.get_world_size(), min(GRACE if grace is None else grace, timeout))
-        return _join(store, what, timeout)
+        return _join(store, what, dist.get_world_size(), timeout)
     except CheckpointError:
         raise
     except RuntimeError as exc:  # the store's server went away
