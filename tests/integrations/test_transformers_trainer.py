@@ -235,3 +235,9 @@ def test_the_processing_class_files_join_the_commit(tmp_path):
         assert name in manifest["files"]
     again = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
     assert again("a a")["input_ids"] == tok("a a")["input_ids"]
+
+
+def test_the_mixin_after_the_trainer_class_is_refused():
+    with pytest.raises(TypeError, match="Wrong: CheckpointMixin must come before the Trainer class in the bases"):
+        class Wrong(transformers.Trainer, fastckpt.transformers.CheckpointMixin):
+            pass

@@ -102,10 +102,21 @@ class CheckpointMixin:
         fastckpt_timeout: seconds a process waits for the others at any step of a multi-process save or load.
 
     Raises:
+        TypeError: (at class definition) the mixin comes after the Trainer class in the bases (its methods would
+            never run).
         NotImplementedError: DeepSpeed, FSDP, tensor-parallel, SageMaker MP or XLA training (their engines keep
             their own files).
         ValueError: a bad ``fastckpt_async_save`` or ``fastckpt_timeout``.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        import transformers
+
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(CheckpointMixin):
+            raise TypeError(f"{cls.__name__}: CheckpointMixin must come before the Trainer class in the bases "
+                            "(class MyTrainer(CheckpointMixin, SFTTrainer)), or Trainer's own checkpoint methods win")
 
     def __init__(self, *args: Any, fastckpt_async_save: bool | str = False,
                  fastckpt_timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
