@@ -4,8 +4,11 @@
 accelerate ignores the FSDP plugin on CPU; its FSDP2 code path runs when ``distributed_type`` is FSDP on both
 ``AcceleratorState`` and ``PartialState`` (set here before ``prepare``, which then calls ``fully_shard``).
 
-- main_only: a MULTI_CPU Accelerator, ``fastckpt.accelerate.save_state`` on the main process only: it raises
-  CollectiveTimeoutError within 2 s instead of hanging; when rank 1 calls it late it raises too.
+- diffusers: a MULTI_CPU (DDP) loop that saves with ``if accelerator.is_main_process: save_state(...)``: the main
+  process saves alone (its files, ``random_states_0``); both processes train on and load it (rank 1 warns that its
+  RNG states were not saved); a save on every process afterwards is the usual all-ranks commit; a save that
+  rank 1 calls after the main process saved alone (and started its next save) raises CheckpointError at once.
+- sharded_main_only: an FSDP2 model saved on the main process only: CheckpointError there, at once.
 - sharded: SHARDED_STATE_DICT save after 2 steps -> load into fresh prepared objects: equal, step restored.
 - full: FULL_STATE_DICT save (single-file layout written by the main process) -> load: equal.
 """
@@ -13,10 +16,13 @@ accelerate ignores the FSDP plugin on CPU; its FSDP2 code path runs when ``distr
 from __future__ import annotations
 
 import json
+import random
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,17 +74,94 @@ def prepared(acc, seed: int, steps: int):
     return model, opt, sched
 
 
-def scenario_main_only(rank: int) -> None:
+def seed_rngs(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def draws() -> list:
+    return [random.random(), float(np.random.rand()), torch.rand(2).tolist()]
+
+
+def ddp_prepared(acc, seed: int, steps: int):
+    """A replicated (DDP) model with dropout, trained ``steps`` steps on per-rank data (diffusers-style loop)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    g = torch.Generator().manual_seed(500 + acc.process_index)
+    for _ in range(steps):
+        opt.zero_grad()
+        acc.backward(torch.nn.functional.mse_loss(model(torch.randn(6, 4, generator=g)), torch.randn(6, 3, generator=g)))
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def ddp_state(acc, model, opt, sched):
+    return ({k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+            sched.state_dict())
+
+
+def ddp_same(a, b) -> bool:
+    (ma, oa, sa), (mb, ob, sb) = a, b
+    return (ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+            and oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+            and sa == sb)
+
+
+def scenario_diffusers(rank: int) -> None:
+    """``if accelerator.is_main_process: save_state(...)`` inside a DDP loop, then a load on both processes."""
     acc = Accelerator(cpu=True)
-    model, opt, sched = prepared(acc, 0, 0)
-    target = OUT / "main_only"
+    seed_rngs(100 + rank)
+    model, opt, sched = ddp_prepared(acc, 0, 2)
+    saved = ddp_state(acc, model, opt, sched)
+    target = OUT / "diffusers"
+    if acc.is_main_process:  # the diffusers examples' pattern, as written there
+        checks["diffusers_save"] = error_of(lambda: fastckpt.accelerate.save_state(acc, target, timeout=60))
+        checks["diffusers_draws_at_save"] = draws()
+    ddp_prepared_step = ddp_state(acc, model, opt, sched)  # the other process went on: one more DDP step works
+    opt.zero_grad()
+    acc.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    checks["diffusers_group_usable"] = not ddp_same(ddp_state(acc, model, opt, sched), ddp_prepared_step)
+    acc2 = Accelerator(cpu=True)
+    model2, opt2, sched2 = ddp_prepared(acc2, 5, 1)
+    seed_rngs(7)
+    kept = draws()
+    seed_rngs(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fastckpt.accelerate.load_state(acc2, target, timeout=60)
+    checks["diffusers_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    checks["diffusers_loaded"] = ddp_same(ddp_state(acc2, model2, opt2, sched2), saved)
+    checks["diffusers_draws_after_load"] = draws()
+    checks["diffusers_kept_draws"] = kept
+    # every process calls: the one atomic commit of both processes' files, as before
+    checks["diffusers_all_path"] = str(fastckpt.accelerate.save_state(acc2, OUT / "diffusers_all", timeout=60))
+    # the main process saves alone again, then starts its next save; process 1 calls the first one late: it is
+    # never paired with process 0's next save (an error at once), and the next save pairs up again
     if rank == 0:
-        checks["main_only"] = error_of(lambda: fastckpt.accelerate.save_state(acc, target, timeout=2))
+        checks["late_main"] = error_of(lambda: fastckpt.accelerate.save_state(acc2, OUT / "late", timeout=60))
     dist.barrier()
     if rank == 1:
-        checks["main_only"] = error_of(lambda: fastckpt.accelerate.save_state(acc, target, timeout=2))
-    checks["main_only_nothing_written"] = not target.exists()
-    checks["main_only_then_saved"] = (fastckpt.accelerate.save_state(acc, target) / "fastckpt.json").is_file()
+        checks["late_other"] = error_of(lambda: fastckpt.accelerate.save_state(acc2, OUT / "late", timeout=2))
+    checks["after_late_saved"] = str(fastckpt.accelerate.save_state(acc2, OUT / "after_late", timeout=60))
+
+
+def scenario_sharded_main_only(rank: int) -> None:
+    """An FSDP2 (sharded) model saved on the main process only: a clear error there, not a timeout."""
+    acc = fsdp_accelerator("SHARDED_STATE_DICT")
+    prepared(acc, 0, 0)
+    target = OUT / "sharded_main_only"
+    if rank == 0:
+        checks["sharded_main_only"] = error_of(lambda: fastckpt.accelerate.save_state(acc, target, timeout=300))
+    dist.barrier()
+    checks["sharded_main_only_nothing_written"] = not target.exists()
+    checks["sharded_then_saved"] = (fastckpt.accelerate.save_state(acc, target) / "fastckpt.json").is_file()
 
 
 def scenario(kind: str, rank: int) -> None:
@@ -111,7 +194,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for name, fn in (("main_only", lambda: scenario_main_only(rank)), ("sharded", lambda: scenario("sharded", rank)),
+    for name, fn in (("diffusers", lambda: scenario_diffusers(rank)), ("sharded", lambda: scenario("sharded", rank)),
+                     ("sharded_main_only", lambda: scenario_sharded_main_only(rank)),
                      ("full", lambda: scenario("full", rank))):
         try:
             fn()

@@ -1,8 +1,9 @@
 """``fastckpt.accelerate`` under FSDP2 and the engines it leaves to accelerate.
 
 Two processes (torchrun, gloo, CPU; tests/helpers/mp_fsdp_accelerate_worker.py, one launch) run accelerate's FSDP2
-code path: SHARDED_STATE_DICT and FULL_STATE_DICT saves load back bit-exact with ``accelerator.step``; a save called
-on the main process only raises CollectiveTimeoutError instead of hanging. In this process: DeepSpeed, Megatron-LM,
+code path: SHARDED_STATE_DICT and FULL_STATE_DICT saves load back bit-exact with ``accelerator.step``; the diffusers
+pattern (a DDP save on the main process only) writes the main process's files and loads on both processes; an FSDP2
+save on the main process only is refused at once. In this process: DeepSpeed, Megatron-LM,
 XLA and FSDP1 raise NotImplementedError saying what to use instead.
 """
 
@@ -38,13 +39,57 @@ def results(tmp_path_factory):
     return out, res
 
 
-def test_save_on_main_process_only_raises_instead_of_hanging(results):
+def test_diffusers_pattern_main_process_saves_alone_and_loads_on_two(results):
+    out, (r0, r1) = results
+    assert r0["diffusers_save"] == {"error": None, "message": ""}  # timeout=60: no CollectiveTimeoutError
+    assert "diffusers_save" not in r1
+    assert sorted(p.name for p in (out / "diffusers").iterdir()) == [
+        "fastckpt.json", "model.safetensors", "optimizer.safetensors", "random_states_0.safetensors",
+        "scheduler.json"]
+    assert json.loads((out / "diffusers" / "fastckpt.json").read_text())["processes"] == 1
+    assert r0["diffusers_group_usable"] is True and r1["diffusers_group_usable"] is True
+    for r in (r0, r1):  # the replicated model, optimizer and scheduler exactly as saved, on both processes
+        assert r["diffusers_loaded"] is True
+    assert r0["diffusers_warnings"] == []
+    assert len(r1["diffusers_warnings"]) == 1
+    assert r1["diffusers_warnings"][0].startswith("RngRestoreWarning: ")
+    assert "holds no random_states_1.safetensors" in r1["diffusers_warnings"][0]
+    assert "process 1 keeps its RNG states" in r1["diffusers_warnings"][0]
+    assert r0["diffusers_draws_after_load"] == r0["diffusers_draws_at_save"]  # the main process's RNG restored
+    assert r1["diffusers_draws_after_load"] == r1["diffusers_kept_draws"]  # rank 1's streams untouched
+    assert r0["diffusers_draws_at_save"] != r0["diffusers_kept_draws"]
+
+
+def test_save_on_every_process_is_still_one_commit_of_both(results):
+    out, (r0, r1) = results
+    assert r0["diffusers_all_path"] == r1["diffusers_all_path"] == str(out / "diffusers_all")
+    names = {p.name for p in (out / "diffusers_all").iterdir()}
+    assert {"random_states_0.safetensors", "random_states_1.safetensors"} <= names
+    assert json.loads((out / "diffusers_all" / "fastckpt.json").read_text())["processes"] == 2
+
+
+def test_a_rank_calling_a_save_the_main_process_made_alone_is_never_paired_with_another_save(results):
+    out, (r0, r1) = results
+    assert r0["late_main"] == {"error": None, "message": ""}
+    assert r1["late_other"]["error"] == "CheckpointError"  # process 0 is already in its next save (after_late)
+    assert (f"save_state to {out / 'late'}: process 1 called it while process 0 is in save_state to "
+            f"{out / 'after_late'}") in r1["late_other"]["message"]
+    assert not (out / "late" / "random_states_1.safetensors").exists()
+    # the next save on both processes pairs up again (the rounds stay in step)
+    assert r0["after_late_saved"] == r1["after_late_saved"] == str(out / "after_late")
+    assert {"random_states_0.safetensors", "random_states_1.safetensors"} <= {
+        p.name for p in (out / "after_late").iterdir()}
+
+
+def test_sharded_model_saved_on_the_main_process_only_is_refused_at_once(results):
     _, (r0, r1) = results
-    assert r0["main_only"]["error"] == "CollectiveTimeoutError"
-    assert "waited 2 s at step 'arrive' for process(es) [1]" in r0["main_only"]["message"]
-    assert r1["main_only"]["error"] == "CollectiveTimeoutError"
-    assert "given up before this process arrived" in r1["main_only"]["message"]
-    assert all(r["main_only_nothing_written"] is True and r["main_only_then_saved"] is True for r in (r0, r1))
+    assert r0["sharded_main_only"]["error"] == "CheckpointError"  # timeout=300 was not waited out
+    message = r0["sharded_main_only"]["message"]
+    assert "called on the main process only, but the model is sharded (FSDP2 SHARDED_STATE_DICT)" in message
+    assert "every process must call fastckpt.accelerate.save_state" in message
+    assert "sharded_main_only" not in r1
+    assert r0["sharded_main_only_nothing_written"] is True and r1["sharded_main_only_nothing_written"] is True
+    assert r0["sharded_then_saved"] is True and r1["sharded_then_saved"] is True
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from fastckpt.errors import CheckpointError, CollectiveTimeoutError
 
-__all__ = ["DEFAULT_TIMEOUT", "is_distributed", "process_rank", "Session", "timeout_group", "check_timeout",
+__all__ = ["DEFAULT_TIMEOUT", "is_distributed", "alone", "process_rank", "Session", "timeout_group", "check_timeout",
            "gather_to_main", "broadcast_from_main", "on_main", "agree", "side_group", "broadcast_outcome",
            "describe"]
 
@@ -46,9 +46,27 @@ _stale_keys: list[str] = []  # rank 0's broadcast keys, deleted once every rank 
 _groups: dict[float, Any] = {}
 
 
+_local = threading.local()  # ``solo``: this thread runs an operation of the main process alone
+
+
 def is_distributed() -> bool:
-    """Whether a process group of more than one process is initialised."""
+    """Whether a process group of more than one process is initialised (False inside :func:`alone`)."""
+    if getattr(_local, "solo", False):
+        return False
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class alone:  # noqa: N801 - used as a context manager, like contextlib's
+    """A context in which this thread runs one operation as if it were the only process: no step of it waits
+    for the others (the main process saving alone, see :mod:`fastckpt._io.participation`)."""
+
+    def __enter__(self) -> alone:
+        self._before = getattr(_local, "solo", False)
+        _local.solo = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.solo = self._before
 
 
 def process_rank() -> int:

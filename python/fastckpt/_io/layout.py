@@ -53,7 +53,7 @@ __all__ = [
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
     "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY", "listed_files",
     "unlisted_files", "count_problems", "DICT_LAYOUT", "DICT_TENSORS", "DICT_STRUCTURE", "DICT_PICKLE",
-    "remove_checkpoint_dir",
+    "remove_checkpoint_dir", "remove_folders",
 ]
 
 MANIFEST = "fastckpt.json"
@@ -426,21 +426,25 @@ def rotate_checkpoints(project_dir: Path, total_limit: int, *, model_only: bool 
     if total_limit < 1:
         raise ValueError(f"total_limit must be >= 1, got {total_limit}")
     numbers = checkpoint_numbers(project_dir, model_only=model_only, full_only=not model_only)
-    removed = []
-    for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]:
-        remove_checkpoint_dir(numbers[n])
-        removed.append(numbers[n])
+    removed = [numbers[n] for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]]
+    remove_folders(removed)
     return removed
 
 
+def remove_folders(folders: list[Path]) -> None:
+    """Remove checkpoint folders, each first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it
+    stops counting at once and a removal cut short never leaves a half-deleted checkpoint behind."""
+    from fastckpt._io.staging import OwnedPath
+
+    for folder in folders:
+        with OwnedPath(folder.parent, folder.name, "trash") as trash:
+            os.rename(folder, trash.path)
+
+
 def remove_checkpoint_dir(folder: Path) -> None:
-    """Remove the checkpoint folder ``folder``: renamed to an owned trash name first (it stops counting at once;
-    a removal cut short leaves no half-deleted checkpoint, and the next save clears the trash), then deleted.
+    """Remove the one checkpoint folder ``folder`` as :func:`remove_folders` does.
 
     Raises:
         FileNotFoundError: nothing is at ``folder``. OSError: it cannot be renamed (permissions).
     """
-    from fastckpt._io.staging import OwnedPath
-
-    with OwnedPath(folder.parent, folder.name, "trash") as trash:
-        os.rename(folder, trash.path)
+    remove_folders([folder])

@@ -18,6 +18,13 @@ every process reads the shared files and its own RNG file; if any process finds 
 object changes. No step waits forever: a process that died or never called the function makes the others raise
 :class:`~fastckpt.errors.CollectiveTimeoutError` within ``timeout`` seconds.
 
+The diffusers pattern, ``if accelerator.is_main_process: fastckpt.accelerate.save_state(accelerator, path)``, works
+as with stock accelerate: when none of the other processes joins the save within
+:data:`fastckpt._io.participation.GRACE` seconds (3 s), the main process saves alone (the shared files and its own
+``random_states_0`` file; a later load on several processes warns on the others that their RNG states were not
+saved and keeps them). A sharded FSDP2 model cannot be saved that way (every process holds part of its state): the
+main process says so after those seconds instead of waiting out ``timeout``.
+
 FSDP2 (``DistributedType.FSDP``, ``fsdp_version=2``): with ``SHARDED_STATE_DICT`` every process writes its shards
 through torch.distributed.checkpoint into the same atomic commit (see :mod:`fastckpt._plan.sharded_save`), and a
 load reshards to any number of processes; with ``FULL_STATE_DICT`` the state is gathered to the main process and
@@ -33,12 +40,12 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, check_timeout, gather_to_main, on_main
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
 from fastckpt._io.layout import (
     checkpoint_layout,
@@ -47,47 +54,22 @@ from fastckpt._io.layout import (
     rotate_checkpoints,
 )
 from fastckpt._io.log import log_load
+from fastckpt._io.participation import GRACE, participants
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
+from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
 from fastckpt.checkpoint import LoadResult
-from fastckpt.errors import MissingStateError
+from fastckpt.errors import CheckpointError, MissingStateError
 
 __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
 
 #: accelerate's ``save_model`` default; applies to fastckpt's layout (``compat="accelerate"`` is unsharded).
 DEFAULT_MAX_SHARD_SIZE = "10GB"
-_UNSUPPORTED = {
-    "DEEPSPEED": "DeepSpeed keeps its engine's own sharded files: use accelerator.save_state / load_state",
-    "MEGATRON_LM": "Megatron-LM keeps its own sharded files: use accelerator.save_state / load_state",
-    "XLA": "XLA tensors live on TPU devices: use accelerator.save_state / load_state",
-}
 _DEFAULT: Any = object()
-
-
-def _check_supported(accelerator: Any) -> str | None:
-    """None, or the FSDP2 state_dict_type (``"SHARDED_STATE_DICT"`` / ``"FULL_STATE_DICT"``).
-
-    Raises:
-        NotImplementedError: DeepSpeed, Megatron-LM, XLA, or FSDP1 (each names what to use instead).
-    """
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind in _UNSUPPORTED:
-        raise NotImplementedError(f"fastckpt.accelerate does not handle DistributedType.{kind}: {_UNSUPPORTED[kind]}")
-    if kind != "FSDP":
-        return None
-    plugin = accelerator.state.fsdp_plugin
-    if getattr(plugin, "fsdp_version", 1) != 2:
-        raise NotImplementedError("fastckpt.accelerate handles FSDP2 only (FullyShardedDataParallelPlugin("
-                                  "fsdp_version=2)); for FSDP1 use accelerator.save_state / load_state")
-    sdt = str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type)).rsplit(".", 1)[-1]
-    if sdt not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        raise NotImplementedError(f"fastckpt.accelerate handles FSDP2 with SHARDED_STATE_DICT or FULL_STATE_DICT, "
-                                  f"not {sdt}; use accelerator.save_state / load_state")
-    return sdt
 
 
 def save_state(
@@ -130,7 +112,7 @@ def save_state(
         share_unchanged: as :func:`fastckpt.save_state`: frozen tensors in shards of their own, hard-linked from
             the previous checkpoint of ``project_dir`` when unchanged. Not with ``compat="accelerate"``.
         timeout: seconds each process waits for the others at any step before raising
-            :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or only some called save_state).
+            :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or some but not all called save_state).
         async_save: as :func:`fastckpt.save_state`: ``True`` streams parameters and optimizer state in the
             background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written),
             ``"snapshot"`` copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
@@ -146,27 +128,68 @@ def save_state(
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         TypeError: state that cannot be stored without pickle (fastckpt layout; names its path).
         KeyMismatchError, DtypeError, OSError: as :func:`fastckpt.save_state`; nothing is left behind.
-        CheckpointError: on the other processes when the main process failed (names its error).
+        CheckpointError: on the other processes when the main process failed (names its error); on the main
+            process when it alone called save_state for an FSDP2 model (sharded or gathered state needs every
+            process).
+
+    Called on the main process only (``if accelerator.is_main_process:``, the diffusers examples), the main process
+    saves alone once no other process has joined within 3 s (:mod:`fastckpt._io.participation`): the shared files
+    and ``random_states_0`` only, as stock accelerate writes them there. Called on every process, it is the one
+    atomic commit of every process's files.
 
     Example:
         >>> model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
+        >>> if accelerator.is_main_process:  # also works: the main process's files and RNG state
+        ...     fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
-    fsdp = _check_supported(accelerator)
+    return save_with_files(accelerator, output_dir, model_only=model_only, compat=compat,
+                           max_shard_size=max_shard_size, durable=durable, threads=threads,
+                           trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                           share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
+                           host_memory_budget=host_memory_budget)
+
+
+def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str | bytes] | None = None,
+                    after_commit: Callable[[Path], None] | None = None, every_process: bool = False,
+                    model_only: bool = False,
+                    compat: str | None = None, max_shard_size: Any = _DEFAULT, durable: bool = True,
+                    threads: int = 0, trainable_only: bool = False, trainable_buffers: Sequence[str] = (),
+                    dtype: Any = None, share_unchanged: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                    async_save: bool | str = False, host_memory_budget: Any = None) -> Path | AsyncSave:
+    """:func:`save_state` for adapters built on it (:mod:`fastckpt.transformers`): ``files`` (name -> text or
+    bytes, written by the main process) go into the same atomic commit, listed and checksummed in the manifest;
+    ``after_commit(folder)`` runs on the main process once the checkpoint is committed (on the writer thread for
+    async saves), e.g. to rotate older checkpoints; ``every_process=True``: the caller knows every process calls
+    this save (Trainer does), so the main process does not check who joins (no main-process-only save). Other
+    arguments: as :func:`save_state`."""
+    fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
-    if compat is not None and (trainable_only or dtype is not None or share_unchanged):
-        raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
-    if async_save not in (False, True, "snapshot"):
-        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
-    if async_save and fsdp is not None:
-        raise ValueError("async_save does not apply to FSDP2 yet (its state is gathered or written through "
-                         "torch.distributed.checkpoint); save with async_save=False")
-    if compat not in (None, "accelerate"):
-        raise ValueError(f"compat must be None or 'accelerate', got {compat!r}")
+    check_save_args(fsdp, compat=compat, trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                     async_save=async_save, extras=bool(files) or after_commit is not None)
+    kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
+                  threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                  share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
+                  host_memory_budget=host_memory_budget, files=files, after_commit=after_commit)
+    what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
+    if every_process or participants(what, timeout) == "all":
+        return _save(accelerator, output_dir, fsdp, **kwargs)
+    if fsdp is not None:  # the state is sharded or gathered: every process holds part of it
+        raise CheckpointError(
+            f"{what}: called on the main process only, but the model is sharded (FSDP2 {fsdp}): every process "
+            f"holds part of its state, so every process must call fastckpt.accelerate.save_state (none of the "
+            f"other {accelerator.num_processes - 1} joined within {min(GRACE, timeout):g} s); "
+            "call it outside `if accelerator.is_main_process:`")
+    with alone():  # the diffusers pattern: the main process's files and its RNG file, as stock accelerate writes
+        return _save(accelerator, output_dir, fsdp, **kwargs)
+
+
+def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bool, compat: str | None,
+          max_shard_size: Any, durable: bool, threads: int, trainable_only: bool, trainable_buffers: Sequence[str],
+          dtype: Any, share_unchanged: bool, timeout: float, async_save: bool | str,
+          host_memory_budget: Any, files: dict[str, str | bytes] | None,
+          after_commit: Callable[[Path], None] | None) -> Path | AsyncSave:
     if fsdp == "SHARDED_STATE_DICT":
-        if compat:
-            raise ValueError("compat='accelerate' does not apply to FSDP2 SHARDED_STATE_DICT (its shards are a "
-                             "torch.distributed.checkpoint folder); use FULL_STATE_DICT for accelerate's files")
         return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
                              timeout=timeout)
     if max_shard_size is _DEFAULT:
@@ -208,7 +231,7 @@ def save_state(
 
     optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
     plan_optimizers = full_optimizers if full_optimizers is not None else optimizers
-    after_commit: list = []  # share_unchanged: called with the folder once it is committed
+    share_hooks: list = []  # share_unchanged: called with the folder once it is committed
 
     def build() -> Any:
         from fastckpt._plan.accelerate_format import build_accelerate_plan
@@ -222,23 +245,29 @@ def save_state(
                                    max_shard_size=None if share_unchanged else max_shard_size, model_states=weights,
                                    rng_states=rng, trainable_only=trainable_only,
                                    trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
+        for name, text in (files or {}).items():
+            if name in plan.texts or any(p.name == name for p in plan.parts):
+                raise ValueError(f"{name}: a file of the checkpoint's own layout; pick another name")
+            plan.texts[name] = text
         if not model_only:
             plan.counts["processes"] = len(rng or [])
             add_tracked_objects(plan, accelerator, compat=bool(compat))
         if share_unchanged:
             from fastckpt._plan.share import plan_sharing, previous_checkpoint
 
-            after_commit.append(plan_sharing(plan, unwrapped, previous_checkpoint(project_root(accelerator), target),
+            share_hooks.append(plan_sharing(plan, unwrapped, previous_checkpoint(project_root(accelerator), target),
                                              max_shard_size=max_shard_size, threads=threads))
         return plan
 
     def rotate() -> None:
-        for hook in after_commit:
+        for hook in share_hooks:
             if hook is not None:
                 hook(target)
         limit = accelerator.project_configuration.total_limit
         if number is not None and limit is not None:
             rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)
+        if after_commit is not None:
+            after_commit(target)
 
     def write() -> Path:
         from fastckpt._io.commit import write_checkpoint
@@ -333,7 +362,7 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
-    fsdp = _check_supported(accelerator)
+    fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
                      timeout=timeout)
