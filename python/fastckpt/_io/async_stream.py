@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from fastckpt._io.call_hashes import call_hashes, check_written
 from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool, Slot, aligned
 from fastckpt._io.shards import parse_size
@@ -101,6 +102,7 @@ class _Deferred:
     version: int
     owners: set[int]
     nbytes: int
+    convert_to: str | None = None
     safe: bool = False
 
 
@@ -113,6 +115,9 @@ class StreamingSave:
         target: the checkpoint folder (for messages).
         pool: the host buffer pool copies go to (pinned with CUDA).
         budget: host bytes the save may hold in the pool; None: as needed (at most the state's size).
+        hash_at_call: take the xxh3-128 content hash of every streamed tensor at the call (in the core, GIL
+            released) and refuse to commit unless the bytes written hash the same (``async_save=True`` on the
+            CPU); False: version counters and the crc32c re-check only (``async_save="stream"``).
 
     Raises:
         ValueError / DtypeError: a tensor the format cannot hold (before anything is copied).
@@ -121,7 +126,7 @@ class StreamingSave:
     """
 
     def __init__(self, plan: SavePlan, optimizers: list[Any], target: Path, pool: HostBufferPool,
-                 budget: int | None) -> None:
+                 budget: int | None, *, hash_at_call: bool = False) -> None:
         self.target = target
         self._pool = pool
         self._lock = threading.Lock()
@@ -144,7 +149,7 @@ class StreamingSave:
                     mine = owners.get(t.untyped_storage().data_ptr()) if t.numel() else None
                     if mine and nbytes >= SMALL_BYTES and t.dtype in _STREAMED_DTYPES and not t.is_inference():
                         self.deferred.append(_Deferred(len(sizes), f"{part.name}:{name}", t, t._version, mine,
-                                                       nbytes))
+                                                       nbytes, part.dtype))
                         tensors[name] = t
                     elif t.numel() and t.device.type == "cuda":  # a device clone, copied to the host below
                         copy = t.detach().clone()
@@ -158,6 +163,7 @@ class StreamingSave:
                     sizes.append(nbytes)
                 parts.append(dataclasses.replace(part, tensors=tensors))
         self.plan = dataclasses.replace(plan, parts=parts)
+        self.call_hashes = call_hashes(self.deferred) if hash_at_call else None
         self.streamed_bytes = sum(d.nbytes for d in self.deferred)
         self.budget = self.streamed_bytes if budget is None else min(budget, self.streamed_bytes)
         self.on_cuda = bool(self._device_copies) or any(d.tensor.device.type == "cuda" for d in self.deferred)
@@ -292,6 +298,8 @@ class StreamingSave:
                 try:
                     unsafe = [d for d in self.deferred if not d.safe]
                     self._check(unsafe)
+                    if checksums is not None and self.call_hashes is not None:
+                        check_written(self.target, self.call_hashes, checksums)
                     if checksums is not None:
                         self._check_written(unsafe, checksums)
                 except ConcurrentModificationError as exc:
@@ -337,7 +345,7 @@ class StreamingSave:
 
 def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write: Callable[..., Any],
                   budget: int | str | None = None, auto_named: bool = False,
-                  after: Callable[[], Any] | None = None) -> Any:
+                  after: Callable[[], Any] | None = None, hash_at_call: bool = False) -> Any:
     """Start a streaming async save of ``plan`` on the default saver's writer thread; returns its ``AsyncSave``.
 
     Args:
@@ -349,6 +357,8 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
         budget: ``host_memory_budget`` (bytes, ``"4GB"``, or None for as needed).
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
         after: run on the writer thread after a successful commit (rotation).
+        hash_at_call: hash the streamed tensors at the call and refuse to commit other bytes
+            (:mod:`fastckpt._io.call_hashes`).
 
     Raises:
         ValueError / DtypeError: a tensor the format cannot hold, a bad budget (before anything is copied).
@@ -362,7 +372,7 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
     if auto_named:
         target = saver.reserve(target)
     start = time.perf_counter()
-    stream = StreamingSave(plan, optimizers, target, saver.pool, limit)
+    stream = StreamingSave(plan, optimizers, target, saver.pool, limit, hash_at_call=hash_at_call)
     blocked = time.perf_counter() - start
 
     def run() -> Path:

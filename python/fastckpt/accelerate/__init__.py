@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fastckpt._io.async_modes import check_mode
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
@@ -132,10 +133,13 @@ def save_state(
         timeout: seconds each process waits for the others at any step before raising
             :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or only some called save_state).
         async_save: as :func:`fastckpt.save_state`: ``True`` streams parameters and optimizer state in the
-            background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written),
-            ``"snapshot"`` copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
+            background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written)
+            after hashing them at the call, and fails the save if any was written with other bytes (CUDA: a
+            snapshot the caller's stream waits for); ``"stream"`` skips the hashes (a write that bypasses torch's
+            version counters, such as ``p.data``, after the call is then saved undetected); ``"snapshot"``
+            copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
             completes after the one atomic commit on the main process (and raises on every process if it failed).
-        host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True``).
+        host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True`` or ``"stream"``).
 
     Returns:
         The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``.
@@ -156,8 +160,7 @@ def save_state(
     timeout = check_timeout(timeout)
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
-    if async_save not in (False, True, "snapshot"):
-        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    check_mode(async_save)
     if async_save and fsdp is not None:
         raise ValueError("async_save does not apply to FSDP2 yet (its state is gathered or written through "
                          "torch.distributed.checkpoint); save with async_save=False")
