@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from helpers.common import requires_cuda
 from torch import nn
 
 import fastckpt
@@ -133,3 +134,17 @@ def test_stream_is_the_opt_in_without_hashes(tmp_path, held_writer):
     with pytest.raises(ConcurrentModificationError, match="version counter"):
         handle.wait()
     assert not (tmp_path / "c").exists()
+
+
+@requires_cuda
+def test_cuda_true_commits_the_call_state_after_a_data_write(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 256, device="cuda")).square().mean().backward()
+    opt.step()
+    at_call = {k: v.cpu() for k, v in _state(model, opt).items()}
+    handle = fastckpt.save_state(model, opt, output_dir=tmp_path / "c", async_save=True, durable=False)
+    _halve_data(model)  # queued on the caller's stream, after the copies
+    handle.wait()
+    _assert_same(_loaded(tmp_path / "c"), at_call)
