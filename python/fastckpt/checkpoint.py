@@ -20,7 +20,7 @@ import torch
 from fastckpt._io.async_modes import check_mode, start_async
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, process_rank
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed, process_rank
 from fastckpt._io.folder import RETRIES, opened_files, pinned
 from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
@@ -350,7 +350,8 @@ def load_state(
         CheckpointChangedError: other saves replaced the folder while it was being read, 5 times in a row (each
             time the load started over; every file of a load comes from one save, see :mod:`fastckpt._io.folder`).
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped; a process whose
-            rank the sharded save did not have keeps its RNG states.
+            rank the sharded save did not have keeps its RNG states; a checkpoint saved by more processes than this
+            run has: the warning names the ``random_states_{rank}`` files not restored.
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         CheckpointError: another process failed (names it and its error); nothing changed here.
     """
@@ -367,6 +368,10 @@ def load_state(
     if is_sharded(models) or is_sharded_checkpoint(folder):
         return _load_sharded(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              threads=threads, verify=verify, timeout=timeout)
+    if not model_only and not is_distributed() and folder.is_dir():  # random_states_0 is restored, not the rest
+        from fastckpt._state.rng import warn_unrestored
+
+        warn_unrestored(folder, 1)
     started = time.perf_counter()
     for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
         if attempt:
@@ -438,6 +443,10 @@ def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list
     except Exception as exc:
         error = exc
     session.agree(error, step="arrive")
+    if not model_only and session.rank == 0:
+        from fastckpt._state.rng import warn_unrestored
+
+        warn_unrestored(folder, session.world, stacklevel=4)
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              session=session, reader_factory=dcp_storage_reader,
                              rng_rank=None if model_only else session.rank)

@@ -51,7 +51,7 @@ from fastckpt._io.log import log_load
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
-from fastckpt._state.rng import RngRestoreWarning, rng_payload
+from fastckpt._state.rng import RngRestoreWarning, rng_payload, warn_unrestored
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
 from fastckpt.checkpoint import LoadResult
@@ -331,7 +331,9 @@ def load_state(
         CheckpointError: another process could not validate its part (names it); nothing changed here.
         NotImplementedError: DeepSpeed, FSDP1, Megatron-LM or XLA (the message says what to use instead).
         CollectiveTimeoutError: another process did not take part within ``timeout``.
-        RngRestoreWarning (warning): this process has no RNG file (the checkpoint was saved by fewer processes).
+        RngRestoreWarning (warning): this process has no RNG file (the checkpoint was saved by fewer processes);
+            or, on the main process, the checkpoint holds RNG files of ranks this run does not have (saved by more
+            processes), named in the warning: they are not restored.
 
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
@@ -342,6 +344,8 @@ def load_state(
                      timeout=timeout)
     wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
                       else project_root(accelerator) / "checkpoints")
+    if not model_only and int(accelerator.process_index) == 0:  # saved by more processes than this run has
+        warn_unrestored(folder, int(accelerator.num_processes))
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
