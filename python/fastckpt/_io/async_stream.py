@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from fastckpt._io.async_cancel import CancelToken
 from fastckpt._io.call_hashes import call_hashes, check_written
 from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool, Slot, aligned
@@ -375,10 +376,13 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
     stream = StreamingSave(plan, optimizers, target, saver.pool, limit, hash_at_call=hash_at_call)
     blocked = time.perf_counter() - start
 
+    token = CancelToken(target)
+
     def run() -> Path:
         try:
             try:
-                write(stream.plan, target, before_commit=stream.before_commit, **stream.write_kwargs())
+                write(stream.plan, target, before_commit=token.before_commit(stream.before_commit),
+                      **stream.write_kwargs())
             except BaseException as exc:
                 stream.raise_failure(exc)
             if after is not None:
@@ -388,7 +392,7 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
             stream.close()
 
     try:
-        return saver.start(target, run, blocking_seconds=blocked, stream=stream)
+        return saver.start(target, run, blocking_seconds=blocked, stream=stream, token=token)
     except BaseException:
         stream.close()
         raise
