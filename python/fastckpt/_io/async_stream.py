@@ -1,7 +1,8 @@
 """Streaming async saves: the call copies only what the next forward pass may change; only the step waits.
 
 Parameters and optimizer state do not change until the next ``optimizer.step()`` (CheckFreq; torchtitan's
-zero-overhead checkpointing), so ``save_state(..., async_save=True)`` does not copy them at the call:
+zero-overhead checkpointing), so a streaming save (``async_save=True`` on the CPU, ``async_save="stream"``; see
+:mod:`fastckpt._io.async_modes`) does not copy them at the call:
 
 - *At the call* it copies the tensors that may change before a step: module buffers (BatchNorm statistics are
   updated by the next forward pass), tensors under :data:`SMALL_BYTES`, parameters no passed optimizer owns, and
@@ -28,7 +29,9 @@ change means it was modified in place outside ``optimizer.step()`` (an EMA updat
 nothing is committed and the previous checkpoint stays. (The check is conservative: a tensor changed after it was
 written but before its step also fails the save. An in-place op running on another thread at the very moment the
 last chunk of its tensor is written may finish its version bump after the check; do not change saved tensors from
-other threads while a save runs.)
+other threads while a save runs.) Writes no version counter sees (``p.data``, ``.numpy()`` views) are caught only
+with ``hash_at_call`` (``async_save=True``): the content hashes taken at the call must match the bytes written
+(:mod:`fastckpt._io.call_hashes`).
 """
 
 from __future__ import annotations
@@ -116,9 +119,8 @@ class StreamingSave:
         target: the checkpoint folder (for messages).
         pool: the host buffer pool copies go to (pinned with CUDA).
         budget: host bytes the save may hold in the pool; None: as needed (at most the state's size).
-        hash_at_call: take the xxh3-128 content hash of every streamed tensor at the call (in the core, GIL
-            released) and refuse to commit unless the bytes written hash the same (``async_save=True`` on the
-            CPU); False: version counters and the crc32c re-check only (``async_save="stream"``).
+        hash_at_call: hash every streamed tensor at the call and commit only bytes that hash the same
+            (``async_save=True``, :mod:`fastckpt._io.call_hashes`); False: ``async_save="stream"``.
 
     Raises:
         ValueError / DtypeError: a tensor the format cannot hold (before anything is copied).
