@@ -163,8 +163,8 @@ def warn_unrestored(folder: Path, world_size: int, *, stacklevel: int = 3) -> li
         names = [name for _, name in extra]
         warnings.warn(
             f"{folder}: saved by {extra[-1][0] + 1} processes, resumed by {world_size}: the RNG states of "
-            f"processes {[k for k, _ in extra]} ({', '.join(names)}) are not restored; processes 0.."
-            f"{world_size - 1} restore their own",
+            f"processes {[k for k, _ in extra]} ({', '.join(names)}) are not restored; "
+            + ("process 0 restores its own" if world_size == 1 else f"processes 0..{world_size - 1} restore their own"),
             RngRestoreWarning,
             stacklevel=stacklevel,
         )
