@@ -11,6 +11,12 @@ writer (or a step's copy) read the tensor fails the save with
 :class:`~fastckpt.errors.ConcurrentModificationError`, and nothing is committed.
 
 The hashes are never recalled from :mod:`fastckpt._io.tensor_hashes` (its memory trusts version counters).
+
+What is left: the writer hashes a chunk of live memory and then writes it (through the page cache, ``durable=False``
+or no O_DIRECT; a durable O_DIRECT write copies the chunk into its bounce buffer first, so hash and bytes are the
+same by construction). A change landing between those two steps is caught by the crc32c re-check of the live
+tensor at commit (:meth:`~fastckpt._io.async_stream.StreamingSave.before_commit`) unless it was undone again before
+the commit.
 """
 
 from __future__ import annotations
