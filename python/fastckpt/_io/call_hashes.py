@@ -15,8 +15,8 @@ The hashes are never recalled from :mod:`fastckpt._io.tensor_hashes` (its memory
 What is left: the writer hashes a chunk of live memory and then writes it (through the page cache, ``durable=False``
 or no O_DIRECT; a durable O_DIRECT write copies the chunk into its bounce buffer first, so hash and bytes are the
 same by construction). A change landing between those two steps is caught by the crc32c re-check of the live
-tensor at commit (:meth:`~fastckpt._io.async_stream.StreamingSave.before_commit`) unless it was undone again before
-the commit.
+tensor at commit (:meth:`~fastckpt._io.async_stream.StreamingSave.before_commit`) unless it was undone before the
+commit or the tensor's optimizer stepped meanwhile (its values then change anyway and are not re-checked).
 """
 
 from __future__ import annotations
