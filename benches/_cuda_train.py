@@ -12,7 +12,8 @@ Per contender, alternated each round (medians):
 - ``stall ms``: that step minus the baseline step; target: <= max(0, copy time - fwd+bwd time) + 5 ms.
 - ``d2h GB/s``: the state's device-to-host copy into pinned memory on its own (target >= 40 GB/s on an H200).
 
-Contenders: no checkpoint, fastckpt async (``async_save=True``: side-stream copies, the step waits on an event),
+Contenders: no checkpoint, fastckpt async stream (``async_save="stream"``: side-stream copies, the step waits on an
+event), fastckpt async (``async_save=True``: the same copies, the caller's stream waits for them),
 fastckpt async snapshot (``async_save="snapshot"``), and DCP ``async_save`` with its pinned ``DefaultStager``
 (where this torch has it; it needs a process group, made here with gloo and one process).
 """
@@ -95,6 +96,8 @@ def time_train_loop(model: Any, optimizer: Any, folder: pathlib.Path, rounds: in
 
     savers: dict[str, Callable[[pathlib.Path], Callable[[], Any] | None] | None] = {
         "no checkpoint": None,
+        "fastckpt async stream": lambda p: fastckpt.save_state(model, optimizer, output_dir=p,
+                                                               async_save="stream").wait,
         "fastckpt async": lambda p: fastckpt.save_state(model, optimizer, output_dir=p, async_save=True).wait,
         "fastckpt async snapshot": lambda p: fastckpt.save_state(model, optimizer, output_dir=p,
                                                                  async_save="snapshot").wait,

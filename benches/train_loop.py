@@ -2,7 +2,8 @@
 
 GPT-2 small (``fastckpt.demo.gpt2``, 124 M parameters, AdamW: a 1.5 GB state) trains on CPU; every ``K`` steps the
 state is checkpointed. Contenders, alternated each round (order rotated by one): no checkpoint (the baseline),
-fastckpt sync, fastckpt async (streaming, ``async_save=True``), ``Accelerator.save_state`` and DCP ``async_save``.
+fastckpt sync, fastckpt async (``async_save=True``: streaming, hashed at the call), ``Accelerator.save_state``
+and DCP ``async_save``.
 Each loop runs ``(C + 1) * K`` steps with ``C`` checkpoints and ends by waiting for the last save, so the time of a
 background write that training did not hide is counted.
 

@@ -25,6 +25,7 @@ from fastckpt.errors import (
     KeyMismatchError,
     MetaTensorError,
     MissingStateError,
+    SaveCancelledError,
     ShapeMismatchError,
     TruncatedFileError,
     UnsafePickleError,
@@ -78,6 +79,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CheckpointChangedError",
     "ConcurrentModificationError",
+    "SaveCancelledError",
     "release_buffers",
     "__version__",
 ]

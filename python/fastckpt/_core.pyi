@@ -16,6 +16,7 @@ from typing import TypeAlias, final
 from typing_extensions import Buffer
 
 __all__ = [
+    "MAX_DCP_METADATA_BYTES", "MAX_DCP_RANK", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES",
     "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors",
     "parse_header", "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
 ]
@@ -34,6 +35,16 @@ _TensorEntry: TypeAlias = tuple[str, str, list[int], int, int]
 #: ``__metadata__`` as ordered pairs; ``None`` writes no ``__metadata__`` key, ``[]`` writes ``{}``.
 _Metadata: TypeAlias = Sequence[tuple[str, str]] | None
 _StrPath: TypeAlias = str | os.PathLike[str]
+
+#: The readers' limits (``fastckpt_core::limits``); every writer refuses, before writing, what a reader refuses.
+#: Bytes of a safetensors header (the JSON after the 8-byte length), as the official reader.
+MAX_HEADER_BYTES: int
+#: Bytes of a ``*.safetensors.index.json`` shard index.
+MAX_INDEX_BYTES: int
+#: Bytes of a DCP metadata file (``dcp_metadata.json``).
+MAX_DCP_METADATA_BYTES: int
+#: Dimensions of a tensor in a DCP metadata file.
+MAX_DCP_RANK: int
 
 def write_file(
     path: _StrPath,

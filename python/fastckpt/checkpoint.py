@@ -17,10 +17,10 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from fastckpt._io.async_stream import submit_stream
+from fastckpt._io.async_modes import check_mode, start_async
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, process_rank
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed, process_rank
 from fastckpt._io.folder import RETRIES, opened_files, pinned
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
 from fastckpt._io.log import log_load
@@ -128,7 +128,7 @@ def save_state(
     threads: int = 0,
     max_shard_size: int | str | None = None,
     compat: str | None = None,
-    async_save: bool = False,
+    async_save: bool | str = False,
     trainable_only: bool = False,
     trainable_buffers: Sequence[str] = (),
     dtype: torch.dtype | None = None,
@@ -167,16 +167,24 @@ def save_state(
             ``Accelerator.save_state`` writes (``optimizer.bin``, ``scheduler.bin``, ``random_states_0.pkl`` are
             pickles; ``model.safetensors`` unsharded) plus the manifest, so stock ``Accelerator.load_state``
             restores it.
-        async_save: ``True``: return once the module buffers, small tensors and parameters no passed optimizer
-            owns are copied; parameters and optimizer state are written in the background straight from the live
-            tensors (CUDA: copied on a side stream), and each passed optimizer's next ``step()`` first waits for
-            (CPU: copies) only its tensors not yet written. The checkpoint holds the values as of the call; a
-            tensor changed in place outside ``step()`` before it was written fails the save with
-            ``ConcurrentModificationError`` (see :mod:`fastckpt._io.async_stream`). ``"snapshot"``: copy the
-            whole state into a reused host buffer pool at the call, then write in the background (see
-            :mod:`fastckpt._io.async_writer`). At most one async save is in flight: a second one waits for the
-            first to be written.
-        host_memory_budget: with ``async_save=True``, host bytes (pinned with CUDA) the save may hold for
+        async_save: every mode commits exactly the state at the call or raises
+            ``ConcurrentModificationError`` (committing nothing; the previous checkpoint stays), except for the one
+            limit of ``"stream"`` (see :mod:`fastckpt._io.async_modes`). ``True``: on the CPU, return once the
+            module buffers, small tensors and unowned parameters are copied and every parameter and optimizer
+            state tensor is hashed (xxh3-128, in parallel, GIL released; reads the state once, no copy); they
+            are written in the background straight from the live tensors, each passed optimizer's next
+            ``step()`` first copies only its tensors not yet written, and a tensor written with other bytes
+            than it held at the call (changed by ``p.data``, a ``.numpy()`` view, another thread, or in place
+            outside ``step()``) fails the save. With CUDA tensors ``True`` enqueues the device-to-host copies of
+            the whole state on a side stream the caller's stream waits for (the host is not blocked).
+            ``"stream"``: as ``True`` on the CPU without the hashes (version counters and a crc32c re-check
+            only); its limit: a write that bypasses torch's version counters (``p.data``, a ``.numpy()`` view,
+            raw pointers) after the call and before the tensor is written is not detected and is saved. On CUDA
+            it copies on a side stream the caller's stream does not wait for, so such writes race the copies.
+            ``"snapshot"``: copy the whole state into a reused host buffer pool at the call, then write in the
+            background (see :mod:`fastckpt._io.async_writer`). At most one async save is in flight: a second
+            one waits for the first to be written.
+        host_memory_budget: with ``async_save=True`` or ``"stream"``, host bytes (pinned with CUDA) the save may hold for
             copies (an int, or ``"4GB"``, ``"512MiB"``); None: as needed, at most the state's size. Below what a
             step must copy, the step copies what fits and waits for the writer to write the rest. The buffers are
             reused across saves and freed by :func:`fastckpt.release_buffers` or after 60 s without a save.
@@ -225,8 +233,7 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
-    if async_save not in (False, True, "snapshot"):
-        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    check_mode(async_save)
     finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)
     timeout = check_timeout(timeout)
@@ -265,11 +272,9 @@ def save_state(
         if auto and total_limit is not None:
             rotate_checkpoints(root, total_limit, model_only=model_only)
 
-    if async_save is True:  # stream from the live tensors; the optimizers' steps wait for what is not yet safe
-        return submit_stream(plan, [] if model_only else _as_list(optimizer, "optimizer"), target.absolute(),
-                             write=write, budget=host_memory_budget, auto_named=auto, after=after)
-    if async_save:  # "snapshot": copy everything into the host buffer pool, write on the writer thread
-        return submit(plan, target.absolute(), write=write, blocking=False, auto_named=auto, after=after)
+    if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_modes)
+        return start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), target.absolute(),
+                           async_save, write=write, budget=host_memory_budget, auto_named=auto, after=after)
     if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
         return submit(plan, target.absolute(), write=write, blocking=True, auto_named=auto, after=after).wait()
     write(plan, target)
@@ -348,7 +353,8 @@ def load_state(
         CheckpointChangedError: other saves replaced the folder while it was being read, 5 times in a row (each
             time the load started over; every file of a load comes from one save, see :mod:`fastckpt._io.folder`).
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped; a process whose
-            rank the sharded save did not have keeps its RNG states.
+            rank the sharded save did not have keeps its RNG states; a checkpoint saved by more processes than this
+            run has: the warning names the ``random_states_{rank}`` files not restored.
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         CheckpointError: another process failed (names it and its error); nothing changed here.
     """
@@ -365,6 +371,10 @@ def load_state(
     if is_sharded(models) or is_sharded_checkpoint(folder):
         return _load_sharded(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              threads=threads, verify=verify, timeout=timeout)
+    if not model_only and not is_distributed() and folder.is_dir():  # random_states_0 is restored, not the rest
+        from fastckpt._state.rng import warn_unrestored
+
+        warn_unrestored(folder, 1)
     started = time.perf_counter()
     for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
         if attempt:
@@ -444,6 +454,10 @@ def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list
                                     "checkpoints saved from sharded models")
     except Exception as exc:  # reported to every rank with the validation (plan_sharded_load's one round)
         error = exc
+    if error is None and not model_only and session.rank == 0:
+        from fastckpt._state.rng import warn_unrestored
+
+        warn_unrestored(folder, session.world, stacklevel=4)
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                              session=session, reader_factory=dcp_storage_reader,
                              rng_rank=None if model_only else session.rank, failed=error, verify=verify,

@@ -30,6 +30,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CheckpointChangedError",
     "ConcurrentModificationError",
+    "SaveCancelledError",
 ]
 
 
@@ -106,7 +107,13 @@ class ConcurrentModificationError(CheckpointError, RuntimeError):
 
     ``save_state(..., async_save=True)`` writes parameters and optimizer state after the call returns, up to
     their optimizer's next ``step()``; an in-place change outside that step (an EMA update, manual clipping,
-    ``load_state_dict``) would tear the checkpoint, so the save fails instead: nothing is committed and the
-    previous checkpoint stays. The message names the tensor; call ``wait()`` on the handle before such changes,
-    or pass ``async_save="snapshot"`` to copy the whole state at the call.
+    ``load_state_dict``), or a write torch does not track (``p.data``, a ``.numpy()`` view, another thread:
+    found by the content hashes taken at the call), would tear the checkpoint, so the save fails instead: nothing
+    is committed and the previous checkpoint stays. The message names the tensor; call ``wait()`` on the handle
+    before such changes, or pass ``async_save="snapshot"`` to copy the whole state at the call.
     """
+
+
+class SaveCancelledError(CheckpointError, InterruptedError):
+    """An async save was cancelled before its commit (``AsyncSave.cancel()``, or a second Ctrl-C after one that
+    interrupted ``wait()``): nothing was committed and the previous checkpoint stays."""

@@ -87,7 +87,8 @@ def save_file(
     Raises:
         TypeError: a metadata value or a tensor name is not a str (names it).
         ValueError: ``tensors`` is not a dict; a reserved (``__metadata__``) or control-character name, a sparse
-            tensor, a value that is not a tensor.
+            tensor, a value that is not a tensor; a header over ``fastckpt._core.MAX_HEADER_BYTES`` (100 MB, what
+            every safetensors reader refuses; nothing is written).
         fastckpt.MetaTensorError (a NotImplementedError, as safetensors): a meta tensor.
         RuntimeError: two tensors share memory (as safetensors).
         fastckpt.DtypeError: a dtype the format cannot store.

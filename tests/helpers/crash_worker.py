@@ -2,11 +2,14 @@
 tests/test_concurrent_saves.py, tests/test_resource_faults.py run it, sometimes under strace).
 
     python tests/helpers/crash_worker.py SEED MB TARGET [--auto] [--threads N] [--repeat K] [--go] [--as-user UID]
+                                         [--hold-manifest]
 
 Builds :func:`build_state` (deterministic in SEED: a model of MB mebibytes of float32 weights, AdamW after one step,
 StepLR), prints ``ready`` and flushes (with ``--go``, then waits for a line on stdin), then calls ``fastckpt.save_state`` (``output_dir=TARGET``, or
 ``project_dir=TARGET`` with ``--auto``) K times, printing ``saved <path> <seconds>`` after each; on an error prints
-``error <ExceptionClass> <errno> <message>`` and exits 3.
+``error <ExceptionClass> <errno> <message>`` and exits 3. With ``--hold-manifest`` the first save, once every data
+file is in its staging folder, prints ``staged`` and waits for a line on stdin before it writes its manifest and
+commits (a handshake in place of a delay).
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ def build_state(seed: int, mb: int):
     return model, opt, sched
 
 
+def _hold_before_manifest() -> None:
+    from fastckpt._io import commit
+
+    real, held = commit.write_text, []
+
+    def write_text(path, text, durable):
+        if path.name == commit.MANIFEST and not held:
+            held.append(path)
+            print("staged", flush=True)
+            sys.stdin.readline()
+        return real(path, text, durable)
+
+    commit.write_text = write_text
+
+
 def main(argv: list[str]) -> int:
     seed, mb, target = int(argv[0]), int(argv[1]), argv[2]
     auto = "--auto" in argv
@@ -60,6 +78,8 @@ def main(argv: list[str]) -> int:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    if "--hold-manifest" in argv:
+        _hold_before_manifest()
     print("ready", flush=True)
     if "--go" in argv:  # wait for the parent's word, so that several workers start their saves together
         sys.stdin.readline()

@@ -10,6 +10,10 @@ D: rank 1's RNG file damaged -> rank 1 raises HeaderError, rank 0 CheckpointErro
 E: the main process cannot write -> it raises its OSError, rank 1 CheckpointError; the group stays usable.
 F: ``async_save=True`` while three DDP steps run: every rank's handle completes after the one commit, which holds
    the values at the call; a failed async write raises on every rank's ``wait()``.
+G: a shuffled DataLoader (accelerate's default sampler): saved after epoch 0, resumed in fresh objects; the
+   resumed epoch 1 (batches, final weights, RNG draws) equals the uninterrupted run's; the checkpoint is also
+   loaded by one process in tests/integrations/test_multiprocess.py. A compat="accelerate" save cannot hold the
+   shuffling generator: its load warns.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import random
 import shutil
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import fastckpt
 import fastckpt.accelerate
@@ -206,10 +212,54 @@ def scenario_f(rank: int) -> None:
         checks["F_error"] = type(exc).__name__
 
 
+def shuffled(seed: int = 3):
+    """A fresh accelerator with model, optimizer, scheduler and a shuffled DataLoader, identical in every call."""
+    acc = Accelerator(cpu=True)
+    model, opt, sched = build(seed)
+    data = TensorDataset(torch.arange(32.0).unsqueeze(1).repeat(1, 4))
+    torch.manual_seed(42)  # accelerate seeds the sampler's generator from the global RNG at prepare
+    model, opt, sched, dl = acc.prepare(model, opt, sched, DataLoader(data, batch_size=4, shuffle=True))
+    return acc, model, opt, sched, dl
+
+
+def one_epoch(acc, model, opt, dl) -> list:
+    batches = []
+    for (x,) in dl:
+        batches.append(x[:, 0].tolist())
+        opt.zero_grad()
+        acc.backward(model(x).square().mean())
+        opt.step()
+    return batches
+
+
+def scenario_g(rank: int) -> None:
+    acc, model, opt, sched, dl = shuffled()
+    checks["G_epoch0"] = one_epoch(acc, model, opt, dl)
+    seed_rngs(400 + rank)
+    fastckpt.accelerate.save_state(acc, OUT / "shuffle")
+    fastckpt.accelerate.save_state(acc, OUT / "shuffle_compat", compat="accelerate")
+    checks["G_draws"] = draws()
+    checks["G_epoch1"] = one_epoch(acc, model, opt, dl)
+    final = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+    acc2, model2, opt2, sched2, dl2 = shuffled()
+    seed_rngs(999)
+    fastckpt.accelerate.load_state(acc2, OUT / "shuffle")  # PYTHONWARNINGS=error: no warning here
+    checks["G_resumed_draws"] = draws()
+    checks["G_resumed_epoch1"] = one_epoch(acc2, model2, opt2, dl2)
+    checks["G_weights_equal"] = all(torch.equal(v, final[k]) for k, v in acc2.unwrap_model(model2).state_dict().items())
+
+    acc3, model3, opt3, sched3, dl3 = shuffled()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fastckpt.accelerate.load_state(acc3, OUT / "shuffle_compat")
+    checks["G_compat_warnings"] = [str(w.message) for w in caught]
+
+
 def main() -> None:
     rank = int(dist.get_rank()) if dist.is_initialized() else int(__import__("os").environ.get("RANK", 0))
     try:
-        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f):
+        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f, scenario_g):
             scenario(rank)
     except Exception:
         checks["crash"] = traceback.format_exc()

@@ -1,5 +1,5 @@
 """Re-saves one checkpoint folder in a loop, each save of one value k everywhere (weights, SGD momentum buffers,
-scheduler ``last_epoch``), until killed: the writer side of tests/io/test_concurrent_readers.py.
+scheduler ``last_epoch``), until killed (prints ``ready``, then ``committed`` once the first save is in place): the writer side of tests/io/test_concurrent_readers.py.
 
     python tests/helpers/resave_worker.py TARGET
 """
@@ -36,6 +36,8 @@ def main(target: str) -> None:
                 p.fill_(k)
                 opt.state[p]["momentum_buffer"].fill_(k)
         fastckpt.save_state(model, opt, output_dir=target, durable=False)
+        if k == 1:
+            print("committed", flush=True)  # the first save is in place: the reader may start
         k += 1
 
 

@@ -346,3 +346,45 @@ def test_async_save_returns_a_handle_holding_the_state_at_the_call(tmp_path, new
     acc2, model2, opt2, sched2, dl2, ema2 = _everything(new_accelerator, 2, train=False)
     fastckpt.accelerate.load_state(acc2, tmp_path / "ckpt")
     assert_restored(model2, opt2, sched2, expected)
+
+
+@pytest.mark.parametrize("mode", [True, "snapshot"])
+def test_async_save_after_a_data_write_commits_the_call_state_or_raises(tmp_path, new_accelerator, monkeypatch,
+                                                                        mode):
+    import threading
+
+    import fastckpt.accelerate.async_save as accelerate_async
+    from fastckpt.errors import ConcurrentModificationError
+
+    go, real = threading.Event(), accelerate_async.write_checkpoint
+
+    def held(*args, **kwargs):
+        assert go.wait(60)
+        return real(*args, **kwargs)
+
+    def prepared(seed):
+        torch.manual_seed(seed)
+        acc = new_accelerator()
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))  # streamed tensors
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    monkeypatch.setattr(accelerate_async, "write_checkpoint", held)
+    acc, model, opt = prepared(1)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    expected = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    handle = fastckpt.accelerate.save_state(acc, tmp_path / "ckpt", async_save=mode)
+    for p in acc.unwrap_model(model).parameters():
+        p.data.mul_(0.5)  # no version counter sees it
+    go.set()
+    if mode is True:
+        with pytest.raises(ConcurrentModificationError, match="xxh3-128 at the call"):
+            handle.wait()
+        assert not (tmp_path / "ckpt").exists()
+        return
+    handle.wait()
+    acc2, model2, opt2 = prepared(2)
+    fastckpt.accelerate.load_state(acc2, tmp_path / "ckpt")
+    assert_model_state(acc2.unwrap_model(model2), expected)

@@ -99,3 +99,60 @@ def test_async_save_completes_on_every_rank_after_the_one_commit(run):
     assert sorted(p.name for p in (out / "async").iterdir()) == [
         "fastckpt.json", "model.safetensors", "optimizer.safetensors", "random_states_0.safetensors",
         "random_states_1.safetensors"]
+
+
+def test_a_resumed_shuffled_dataloader_continues_the_uninterrupted_order(run):
+    out, results = run
+    for rank, res in enumerate(results):
+        assert res["G_epoch1"] != res["G_epoch0"], rank  # a replay of epoch 0 would be caught
+        assert res["G_resumed_epoch1"] == res["G_epoch1"], rank
+        assert res["G_weights_equal"] is True and res["G_resumed_draws"] == res["G_draws"], rank
+        assert any("dl_generator.json" in w and "accelerate#3158" in w for w in res["G_compat_warnings"]), rank
+    assert results[0]["G_epoch1"] != results[1]["G_epoch1"]  # each rank its own shard of the order
+
+
+def test_two_process_checkpoint_resumed_by_one_process_warns_of_what_it_cannot_restore(run, new_accelerator):
+    import warnings
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import fastckpt.accelerate
+
+    out, results = run
+    acc = new_accelerator()
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    dl = DataLoader(TensorDataset(torch.arange(32.0).unsqueeze(1).repeat(1, 4)), batch_size=4, shuffle=True)
+    model, opt, sched, dl = acc.prepare(model, opt, sched, dl)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fastckpt.accelerate.load_state(acc, out / "shuffle")
+    messages = [str(w.message) for w in caught if issubclass(w.category, fastckpt.RngRestoreWarning)]
+    assert len(messages) == 1 and "random_states_1.safetensors" in messages[0], messages
+    assert "saved by 2 processes, resumed by 1" in messages[0]
+    import random
+
+    import numpy as np
+
+    assert [random.random(), float(np.random.rand()), torch.rand(2).tolist()] == results[0]["G_draws"]
+
+
+def test_plain_load_state_of_a_two_process_checkpoint_warns_of_rank_1(run):
+    import warnings
+
+    from torch import nn
+
+    import fastckpt
+
+    out, _ = run
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fastckpt.load_state(model, opt, input_dir=out / "shuffle")
+    messages = [str(w.message) for w in caught if issubclass(w.category, fastckpt.RngRestoreWarning)]
+    assert len(messages) == 1 and "random_states_1.safetensors" in messages[0], messages

@@ -1,6 +1,7 @@
 """A process killed (SIGKILL) while a streaming async save writes in the background leaves the previous checkpoint
 bit-exact: killed by the writer thread once every data file is in the staging folder (just before the manifest),
-and killed by the training thread at the first optimizer step after the call, while the writer is mid-way."""
+and killed by the training thread at the first optimizer step after the call, while the writer (every file
+written, held before its commit until then, so the kill never races the commit) has not committed."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ MB = 16
 OLD, NEW = 11, 22
 
 _WORKER = """
-import os, signal, sys
+import os, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import torch
 import fastckpt
@@ -27,10 +28,18 @@ from crash_worker import build_state
 model, opt, sched = build_state({new}, {mb})
 if {where!r} == "before_commit":
     async_stream.StreamingSave.before_commit = lambda self, *checksums: os.kill(os.getpid(), signal.SIGKILL)
+if {where!r} == "at_step":
+    never, real = threading.Event(), async_stream.StreamingSave.before_commit
+
+    def held(self, *checksums):
+        never.wait(120)  # set by no one: the step's hook kills the process first
+        return real(self, *checksums)
+
+    async_stream.StreamingSave.before_commit = held
 handle = fastckpt.save_state(model, opt, sched, output_dir={target!r}, step={new}, async_save=True)
 for p in model.parameters():
     p.grad = torch.ones_like(p)
-if {where!r} == "at_step":
+if {where!r} == "at_step":  # the writer is held before its commit until the kill (never a race with the step)
     opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
 opt.step()
 handle.wait()

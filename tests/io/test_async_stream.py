@@ -274,7 +274,8 @@ def test_a_load_waits_for_the_save_in_flight_to_its_folder(tmp_path, held_writer
 
 
 @requires_cuda
-def test_cuda_checkpoint_holds_the_values_at_the_call(tmp_path):
+@pytest.mark.parametrize("mode", [True, "stream"])
+def test_cuda_checkpoint_holds_the_values_at_the_call(tmp_path, mode):
     torch.manual_seed(0)
     model = Net().cuda()
     opts = _adam(model)
@@ -283,7 +284,7 @@ def test_cuda_checkpoint_holds_the_values_at_the_call(tmp_path):
         model(x).square().mean().backward()
         opts[0].step()
     expected = {k: v.cpu() for k, v in _everything(model, opts).items()}
-    handle = fastckpt.save_state(model, opts, output_dir=tmp_path / "c", async_save=True, durable=False)
+    handle = fastckpt.save_state(model, opts, output_dir=tmp_path / "c", async_save=mode, durable=False)
     for _ in range(3):
         model(x).square().mean().backward()
         opts[0].step()

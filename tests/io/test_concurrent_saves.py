@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from helpers.procs import (
     finish,
     go,
     owned_leftovers,
-    requires_strace,
     start_worker,
     strace_prefix,
     wait_ready,
@@ -94,24 +92,23 @@ def test_c18_two_processes_with_automatic_naming(tmp_path):
     record("faults")
 
 
-@requires_strace
 def test_a_live_staging_folder_is_never_touched(tmp_path):
-    """A worker stalls 3 s in its first fsync (mid-save, staging folder full of data); meanwhile this process saves
-    into the same parent, which cleans leftovers: the live staging folder survives and the worker commits."""
+    """A worker holds mid-save (every data file in its staging folder, the manifest not yet written) until told to
+    go on; meanwhile this process saves into the same parent, which cleans leftovers: the live staging folder
+    survives and the worker commits."""
     target = tmp_path / "slow"
-    proc = start_worker(SEEDS["a"], MB, target, "--threads", "1",
-                        strace=strace_prefix("fsync", "delay_enter=3000000:when=1"))
+    proc = start_worker(SEEDS["a"], MB, target, "--threads", "1", "--hold-manifest")
     wait_ready(proc)
-    for _ in range(200):  # until its staging folder holds the written files
-        live = owned_leftovers(tmp_path)
-        if any(not n.endswith(".lock") and list((tmp_path / n).glob("*.tmp")) for n in live):
-            break
-        time.sleep(0.02)
-    else:
-        pytest.fail(f"the worker never reached its fsync: {owned_leftovers(tmp_path)}")
+    line = proc.stdout.readline()
+    if line.strip() != "staged":
+        proc.kill()
+        pytest.fail(f"the worker never reached its manifest: {line!r} {proc.stderr.read()}")
     before = owned_leftovers(tmp_path)
+    assert any(not n.endswith(".lock") and any((tmp_path / n).iterdir()) for n in before), before
     fastckpt.save_state(make_tiny(3), output_dir=tmp_path / "other", model_only=True)
     assert owned_leftovers(tmp_path) == before, "a live save's staging folder was touched"
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
     rc, out, err = finish(proc)
     assert rc == 0 and out[-1].startswith(f"saved {target} "), (rc, out, err)
     assert which_state(target, MB, {"a": SEEDS["a"]}) == "a"

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from fastckpt import _core
 from fastckpt._format.codec import encode
 from fastckpt._format.dtypes import to_safetensors_dtype, to_torch_dtype
 from fastckpt._format.json_input import decode_json, load_json
@@ -47,7 +48,6 @@ __all__ = ["METADATA_FILE", "FORMAT", "ChunkLocation", "ParsedMetadata", "metada
 METADATA_FILE = "dcp_metadata.json"
 FORMAT = "fastckpt-dcp"
 FORMAT_VERSION = 1
-_MAX_BYTES = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], 
         DtypeError: a tensor dtype the safetensors format cannot store.
         TypeError: ``planner_data`` holds an object that needs pickle (names its path).
         KeyError: a chunk or object of ``metadata`` was not written by any rank.
+        ValueError: a tensor of more than ``_core.MAX_DCP_RANK`` dimensions, or a text over
+            ``_core.MAX_DCP_METADATA_BYTES``: what :func:`parse_metadata` refuses is never written.
     """
     entries: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -98,6 +100,9 @@ def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], 
                 loc = chunks[(fqn, offsets)]
                 out_chunks.append({"offsets": list(offsets), "sizes": [int(s) for s in chunk.sizes],
                                    "file": loc.file, "name": loc.name})
+            if len(md.size) > _core.MAX_DCP_RANK:
+                raise ValueError(f"tensor {fqn!r} has {len(md.size)} dimensions, over the {_core.MAX_DCP_RANK} the "
+                                 f"{METADATA_FILE} reader accepts; nothing was committed")
             entries[fqn] = {"tensor": {"dtype": to_safetensors_dtype(md.properties.dtype, name=fqn),
                                        "size": [int(s) for s in md.size], "chunks": out_chunks}}
         else:
@@ -114,15 +119,19 @@ def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], 
             "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules),
         },
     }
-    return json.dumps(doc, allow_nan=False)
+    text = json.dumps(doc, allow_nan=False)
+    if len(text) > _core.MAX_DCP_METADATA_BYTES:  # what parse_metadata would refuse: not committed
+        raise ValueError(f"{METADATA_FILE} would be {len(text)} characters ({len(entries)} entries), over the "
+                         f"{_core.MAX_DCP_METADATA_BYTES} its reader accepts; nothing was committed")
+    return text
 
 
 def _ints(value: Any, where: str, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                               for v in value):
         raise HeaderError(f"{where}: {what} must be a list of non-negative integers, got {str(value)[:200]}")
-    if len(value) > 64:
-        raise HeaderError(f"{where}: {what} has {len(value)} dimensions (at most 64)")
+    if len(value) > _core.MAX_DCP_RANK:
+        raise HeaderError(f"{where}: {what} has {len(value)} dimensions (at most {_core.MAX_DCP_RANK})")
     return value
 
 
@@ -192,8 +201,9 @@ def parse_metadata(text: str | bytes, where: str) -> ParsedMetadata:
         HeaderError: not JSON, another format or version, a field of the wrong type, a chunk outside its tensor,
             a file name outside the folder, an unknown dtype or codec tag; the message names ``where`` and the entry.
     """
-    if len(text) > _MAX_BYTES:
-        raise HeaderError(f"{where}: {len(text)} bytes, more than the {_MAX_BYTES} a metadata file may have")
+    if len(text) > _core.MAX_DCP_METADATA_BYTES:
+        raise HeaderError(f"{where}: {len(text)} bytes, more than the {_core.MAX_DCP_METADATA_BYTES} a metadata file "
+                          "may have")
     doc = load_json(text, where)
     if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
         raise HeaderError(f"{where}: not a {FORMAT} version {FORMAT_VERSION} metadata file "

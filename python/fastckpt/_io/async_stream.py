@@ -1,7 +1,8 @@
 """Streaming async saves: the call copies only what the next forward pass may change; only the step waits.
 
 Parameters and optimizer state do not change until the next ``optimizer.step()`` (CheckFreq; torchtitan's
-zero-overhead checkpointing), so ``save_state(..., async_save=True)`` does not copy them at the call:
+zero-overhead checkpointing), so a streaming save (``async_save=True`` on the CPU, ``async_save="stream"``; see
+:mod:`fastckpt._io.async_modes`) does not copy them at the call:
 
 - *At the call* it copies the tensors that may change before a step: module buffers (BatchNorm statistics are
   updated by the next forward pass), tensors under :data:`SMALL_BYTES`, parameters no passed optimizer owns, and
@@ -28,7 +29,9 @@ change means it was modified in place outside ``optimizer.step()`` (an EMA updat
 nothing is committed and the previous checkpoint stays. (The check is conservative: a tensor changed after it was
 written but before its step also fails the save. An in-place op running on another thread at the very moment the
 last chunk of its tensor is written may finish its version bump after the check; do not change saved tensors from
-other threads while a save runs.)
+other threads while a save runs.) Writes no version counter sees (``p.data``, ``.numpy()`` views) are caught only
+with ``hash_at_call`` (``async_save=True``): the content hashes taken at the call must match the bytes written
+(:mod:`fastckpt._io.call_hashes`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from typing import Any
 
 import torch
 
+from fastckpt._io.async_cancel import CancelToken
+from fastckpt._io.call_hashes import call_hashes, check_written
 from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool, Slot, aligned
 from fastckpt._io.shards import parse_size
@@ -101,6 +106,7 @@ class _Deferred:
     version: int
     owners: set[int]
     nbytes: int
+    convert_to: str | None = None
     safe: bool = False
 
 
@@ -113,6 +119,8 @@ class StreamingSave:
         target: the checkpoint folder (for messages).
         pool: the host buffer pool copies go to (pinned with CUDA).
         budget: host bytes the save may hold in the pool; None: as needed (at most the state's size).
+        hash_at_call: hash every streamed tensor at the call and commit only bytes that hash the same
+            (``async_save=True``, :mod:`fastckpt._io.call_hashes`); False: ``async_save="stream"``.
 
     Raises:
         ValueError / DtypeError: a tensor the format cannot hold (before anything is copied).
@@ -121,7 +129,7 @@ class StreamingSave:
     """
 
     def __init__(self, plan: SavePlan, optimizers: list[Any], target: Path, pool: HostBufferPool,
-                 budget: int | None) -> None:
+                 budget: int | None, *, hash_at_call: bool = False) -> None:
         self.target = target
         self._pool = pool
         self._lock = threading.Lock()
@@ -144,7 +152,7 @@ class StreamingSave:
                     mine = owners.get(t.untyped_storage().data_ptr()) if t.numel() else None
                     if mine and nbytes >= SMALL_BYTES and t.dtype in _STREAMED_DTYPES and not t.is_inference():
                         self.deferred.append(_Deferred(len(sizes), f"{part.name}:{name}", t, t._version, mine,
-                                                       nbytes))
+                                                       nbytes, part.dtype))
                         tensors[name] = t
                     elif t.numel() and t.device.type == "cuda":  # a device clone, copied to the host below
                         copy = t.detach().clone()
@@ -158,6 +166,7 @@ class StreamingSave:
                     sizes.append(nbytes)
                 parts.append(dataclasses.replace(part, tensors=tensors))
         self.plan = dataclasses.replace(plan, parts=parts)
+        self.call_hashes = call_hashes(self.deferred) if hash_at_call else None
         self.streamed_bytes = sum(d.nbytes for d in self.deferred)
         self.budget = self.streamed_bytes if budget is None else min(budget, self.streamed_bytes)
         self.on_cuda = bool(self._device_copies) or any(d.tensor.device.type == "cuda" for d in self.deferred)
@@ -292,6 +301,8 @@ class StreamingSave:
                 try:
                     unsafe = [d for d in self.deferred if not d.safe]
                     self._check(unsafe)
+                    if checksums is not None and self.call_hashes is not None:
+                        check_written(self.target, self.call_hashes, checksums)
                     if checksums is not None:
                         self._check_written(unsafe, checksums)
                 except ConcurrentModificationError as exc:
@@ -337,7 +348,7 @@ class StreamingSave:
 
 def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write: Callable[..., Any],
                   budget: int | str | None = None, auto_named: bool = False,
-                  after: Callable[[], Any] | None = None) -> Any:
+                  after: Callable[[], Any] | None = None, hash_at_call: bool = False) -> Any:
     """Start a streaming async save of ``plan`` on the default saver's writer thread; returns its ``AsyncSave``.
 
     Args:
@@ -349,6 +360,8 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
         budget: ``host_memory_budget`` (bytes, ``"4GB"``, or None for as needed).
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
         after: run on the writer thread after a successful commit (rotation).
+        hash_at_call: hash the streamed tensors at the call and refuse to commit other bytes
+            (:mod:`fastckpt._io.call_hashes`).
 
     Raises:
         ValueError / DtypeError: a tensor the format cannot hold, a bad budget (before anything is copied).
@@ -362,13 +375,16 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
     if auto_named:
         target = saver.reserve(target)
     start = time.perf_counter()
-    stream = StreamingSave(plan, optimizers, target, saver.pool, limit)
+    stream = StreamingSave(plan, optimizers, target, saver.pool, limit, hash_at_call=hash_at_call)
     blocked = time.perf_counter() - start
+
+    token = CancelToken(target)
 
     def run() -> Path:
         try:
             try:
-                write(stream.plan, target, before_commit=stream.before_commit, **stream.write_kwargs())
+                write(stream.plan, target, before_commit=token.before_commit(stream.before_commit),
+                      **stream.write_kwargs())
             except BaseException as exc:
                 stream.raise_failure(exc)
             if after is not None:
@@ -378,7 +394,7 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
             stream.close()
 
     try:
-        return saver.start(target, run, blocking_seconds=blocked, stream=stream)
+        return saver.start(target, run, blocking_seconds=blocked, stream=stream, token=token)
     except BaseException:
         stream.close()
         raise

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fastckpt._io.async_cancel import CancelToken, arm_second_interrupt
 from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool
 from fastckpt._io.snapshot import Snapshot, snapshot_plan
@@ -51,8 +52,9 @@ class AsyncSave:
     """
 
     def __init__(self, path: Path, future: Future, snapshot: Snapshot | None, blocking_seconds: float, *,
-                 stream: Any = None) -> None:
+                 stream: Any = None, token: CancelToken | None = None) -> None:
         self.path = path
+        self._token = token
         self.blocking_seconds = blocking_seconds
         self.snapshot_bytes = snapshot.nbytes if snapshot is not None else stream.call_bytes
         self._snapshot_slot = snapshot.slot if snapshot is not None else None
@@ -84,17 +86,38 @@ class AsyncSave:
 
         Raises:
             TimeoutError: not finished within ``timeout`` seconds (the save goes on).
+            KeyboardInterrupt: Ctrl-C while waiting: the save goes on and is committed before the interpreter
+                exits, unless a second Ctrl-C comes while it is in flight, which cancels it (nothing committed;
+                see :mod:`fastckpt._io.async_cancel`).
+            SaveCancelledError: the save was cancelled before its commit (:meth:`cancel`).
             Exception: whatever the background write raised (OSError for a full disk, ...), re-raised here; the
                 previous checkpoint at ``path`` is then intact.
         """
         try:
             return self._future.result(timeout)
+        except KeyboardInterrupt as exc:
+            if not self._future.done() and self._token is not None:
+                exc.add_note(arm_second_interrupt(self))
+            raise
         except BaseException as exc:
             if self._future.done():
                 self._reported = True
             if isinstance(exc, TimeoutError) and not self._future.done():
                 raise TimeoutError(f"async save to {self.path} not finished within {timeout} s") from None
             raise
+
+    def cancel(self) -> bool:
+        """Cancel the save if its commit has not begun: the writer stops before the commit, nothing is committed
+        and the previous checkpoint stays (``wait()`` then raises :class:`~fastckpt.errors.SaveCancelledError`).
+
+        Returns:
+            True if the save will commit nothing; False once its commit has begun (or on a process of a
+            multi-process save other than the main one, which commits nothing itself).
+        """
+        cancelled = self._token is not None and self._token.cancel()
+        if cancelled:
+            self._reported = True  # asked for: not raised again by the next save
+        return cancelled
 
     def exception(self) -> BaseException | None:
         """The background write's exception once it failed; None while running or after success."""
@@ -157,12 +180,13 @@ class AsyncSaver:
         n = max([int(m.group(1)), *(t + 1 for t in taken)])
         return target.with_name(f"checkpoint_{n}")
 
-    def start(self, target: Path, run: Callable[[], Path], *, blocking_seconds: float, stream: Any) -> AsyncSave:
+    def start(self, target: Path, run: Callable[[], Path], *, blocking_seconds: float, stream: Any,
+              token: CancelToken | None = None) -> AsyncSave:
         """Run ``run()`` on the writer thread for a save prepared by the caller (a streaming save,
-        :mod:`fastckpt._io.async_stream`); returns its handle."""
+        :mod:`fastckpt._io.async_stream`, which checks ``token`` before its commit); returns its handle."""
         self._cancel_idle()
         future = self._executor.submit(self._then_idle(run))
-        handle = AsyncSave(target, future, None, blocking_seconds, stream=stream)
+        handle = AsyncSave(target, future, None, blocking_seconds, stream=stream, token=token)
         with self._lock:
             self._pending.append(handle)
         return handle
@@ -233,14 +257,15 @@ class AsyncSaver:
         start = time.perf_counter()
         snapshot = snapshot_plan(plan, self.pool, on_slot=self.raise_failed)
         blocked = time.perf_counter() - start
+        token = CancelToken(target)
 
         def run() -> Path:
             try:
                 if blocking and snapshot.copies:
-                    result = write(snapshot.plan, target, ready=snapshot.ready)
+                    result = write(snapshot.plan, target, ready=snapshot.ready, before_commit=token.before_commit())
                 else:
                     snapshot.wait_copies()
-                    result = write(snapshot.plan, target)
+                    result = write(snapshot.plan, target, before_commit=token.before_commit())
                 if after is not None:
                     after()
                 return result if isinstance(result, Path) else target
@@ -253,7 +278,7 @@ class AsyncSaver:
         except BaseException:
             self.pool.release(snapshot.slot)
             raise
-        handle = AsyncSave(target, future, snapshot, blocked)
+        handle = AsyncSave(target, future, snapshot, blocked, token=token)
         with self._lock:
             self._pending.append(handle)
         return handle

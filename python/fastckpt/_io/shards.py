@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fastckpt import _core
 from fastckpt._io.folder import open_safetensors
 from fastckpt.errors import HeaderError, IntegrityError, KeyMismatchError, MissingStateError
 
@@ -34,7 +35,6 @@ _UNITS = {
     "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
-_MAX_INDEX_BYTES = 100_000_000
 
 
 def parse_size(size: int | str, what: str = "max_shard_size", minimum: int = 1) -> int:
@@ -118,6 +118,9 @@ def split_part(part: Any, max_bytes: int | None) -> tuple[list[Any], dict[str, s
 
     Returns:
         ``(parts, texts)``: the parts to write and ``{index file name: JSON}`` (empty when not sharded).
+
+    Raises:
+        ValueError: the index would be over ``_core.MAX_INDEX_BYTES`` (its reader's limit).
     """
     if max_bytes is None or not part.name.endswith(".safetensors"):
         return [part], {}
@@ -137,7 +140,13 @@ def split_part(part: Any, max_bytes: int | None) -> tuple[list[Any], dict[str, s
         "metadata": {"total_size": sum(_nbytes(t) for t in part.tensors.values())},
         "weight_map": owner,
     }
-    return parts, {index_name(base): json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n"}
+    text = json.dumps(index, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    size = len(text.encode("utf-8"))
+    if size > _core.MAX_INDEX_BYTES:  # refused now, before anything is written: the reader would refuse it
+        raise ValueError(f"{index_name(base)}: the shard index would be {size} bytes ({len(owner)} tensors in {n} "
+                         f"shards), over the limit of {_core.MAX_INDEX_BYTES} bytes its reader accepts; nothing was "
+                         "written. Save fewer, larger tensors or a larger max_shard_size")
+    return parts, {index_name(base): text}
 
 
 def _check_shard_name(name: Any, index: Path) -> str:
@@ -155,8 +164,8 @@ def read_index(index: Path) -> dict[str, str]:
     Raises:
         HeaderError: not JSON, no ``weight_map`` object, a shard name that is not a plain ``.safetensors`` file name.
     """
-    if index.stat().st_size > _MAX_INDEX_BYTES:
-        raise HeaderError(f"{index}: {index.stat().st_size} bytes, over the {_MAX_INDEX_BYTES}-byte index limit")
+    if index.stat().st_size > _core.MAX_INDEX_BYTES:
+        raise HeaderError(f"{index}: {index.stat().st_size} bytes, over the {_core.MAX_INDEX_BYTES}-byte index limit")
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

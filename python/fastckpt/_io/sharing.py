@@ -29,14 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastckpt import _core
 from fastckpt._format.dtypes import to_safetensors_dtype
 from fastckpt._format.tensors import convert_target
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.layout import MANIFEST
 
 __all__ = ["LinkedFile", "share_with", "link_into"]
-
-_MAX_HEADER = 100_000_000
 
 
 @dataclass
@@ -66,7 +65,7 @@ def _read_header(path: Path) -> dict[str, Any] | None:
         with open(path, "rb") as f:
             prefix = f.read(8)
             n = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-            if not 2 <= n <= _MAX_HEADER:
+            if not 2 <= n <= _core.MAX_HEADER_BYTES:
                 return None
             header = json.loads(f.read(n))
     except (OSError, ValueError):

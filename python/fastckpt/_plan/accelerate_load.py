@@ -182,14 +182,6 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
         optimizers, schedulers = [], []
     saved_state = manifest_mode == "full" or (manifest_mode is None and any(
         n.startswith(("random_states_", "optimizer")) for n in os.listdir(folder)))
-    if not saved_state and not model_only and (optimizers or schedulers or manifest_mode is None):
-        wanted = [part_name("optimizer", j, ".bin") for j in range(len(optimizers))]
-        wanted += [part_name("scheduler", k, ".bin") for k in range(len(schedulers))]
-        wanted += [] if manifest_mode else [rng_file(rank)]
-        raise MissingStateError(
-            f"{folder}: holds model weights only (no fastckpt.json and no training state: {', '.join(wanted)} "
-            "absent); load it with model_only=True. Nothing was changed."
-        )
     load = LoadPlan()
     for i, m in enumerate(models):
         files = open_model_files(folder, i, trust_pickle=trust_pickle)
@@ -198,6 +190,15 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]
         load.models.append(plan)
+    # after the model's keys: a weights-only folder of another model is reported by its keys first
+    if not saved_state and not model_only and (optimizers or schedulers or manifest_mode is None):
+        wanted = [part_name("optimizer", j, ".bin") for j in range(len(optimizers))]
+        wanted += [part_name("scheduler", k, ".bin") for k in range(len(schedulers))]
+        wanted += [] if manifest_mode else [rng_file(rank)]
+        raise MissingStateError(
+            f"{folder}: holds model weights only (no fastckpt.json and no training state: {', '.join(wanted)} "
+            "absent); load it with model_only=True. Nothing was changed."
+        )
     for j, opt in enumerate(optimizers):
         path = folder / part_name("optimizer", j, ".bin")
         state = torch_load(path, trust_pickle=trust_pickle, what=f"optimizer {j}")

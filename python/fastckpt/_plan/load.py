@@ -113,19 +113,16 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         optimizers, schedulers = [], []
     saved = {k: int(manifest.get(k, 0)) for k in ("models", "optimizers", "schedulers")}
 
-    if manifest.get("mode") == "model_only" and (optimizers or schedulers):
-        wanted = [part_name("optimizer", j, ".safetensors") for j in range(len(optimizers))]
-        wanted += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
-        raise MissingStateError(
-            f"{folder}: saved with model_only=True, so it holds no {', '.join(wanted)}; load it with "
-            "model_only=True, or pass no optimizer/scheduler. Nothing was changed."
-        )
-    for kind, objs in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
+
+    def check_count(kind: str, objs: list) -> None:
+        # Checked kind by kind, each just before it is read: the most fundamental mismatch (the model's keys)
+        # is reported first, not a scheduler count of a checkpoint of another model.
         if len(objs) > saved[kind]:
             raise MissingStateError(
                 f"{folder}: {len(objs)} {kind} passed but the checkpoint holds {saved[kind]}. Nothing was changed."
             )
 
+    check_count("models", models)
     load = LoadPlan()
     frozen = manifest.get("frozen") if isinstance(manifest.get("frozen"), dict) else {}
     for i, m in enumerate(models):
@@ -140,6 +137,14 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]
         load.models.append(plan)
+    if manifest.get("mode") == "model_only" and (optimizers or schedulers):
+        wanted = [part_name("optimizer", j, ".safetensors") for j in range(len(optimizers))]
+        wanted += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
+        raise MissingStateError(
+            f"{folder}: saved with model_only=True, so it holds no {', '.join(wanted)}; load it with "
+            "model_only=True, or pass no optimizer/scheduler. Nothing was changed."
+        )
+    check_count("optimizers", optimizers)
     fqns = param_fqns(models if fqn_models is None else fqn_models)
     positional = manifest.get("optimizer_keys") == "positional"
     for j, opt in enumerate(optimizers):
@@ -152,6 +157,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
                                 f"the live optimizer is {optimizer_class_name(opt)}; it keeps its own state")
         else:
             load.optimizers.append((opt, state))
+    check_count("schedulers", schedulers)
     saved_classes = manifest.get("scheduler_classes")
     for k, sched in enumerate(schedulers):
         path = folder / part_name("scheduler", k, ".json")

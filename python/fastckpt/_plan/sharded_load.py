@@ -136,21 +136,19 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
     return _assemble(load, dest, models, served, saved_optimizers)
 
 
+def _check_count(folder: Path, manifest: dict, kind: str, objs: list) -> None:
+    if len(objs) > int(manifest.get(kind, 0)):
+        raise MissingStateError(f"{folder}: {len(objs)} {kind} passed but the checkpoint holds "
+                                f"{manifest.get(kind, 0)}. Nothing was changed.")
+
+
 def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool, strict: bool,
               reader_factory: ReaderFactory, rng_rank: int | None, verify: bool, threads: int) -> tuple:
     manifest = read_manifest(folder)
     records = manifest.get("files", {}) if verify else {}
     if model_only:
         optimizers, schedulers = [], []
-    if manifest.get("mode") == "model_only" and (optimizers or schedulers):
-        wanted = [part_name("optimizer", j, ".json") for j in range(len(optimizers))]
-        wanted += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
-        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no {', '.join(wanted)}; load it "
-                                "with model_only=True, or pass no optimizer/scheduler. Nothing was changed.")
-    for kind, objs in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
-        if len(objs) > int(manifest.get(kind, 0)):
-            raise MissingStateError(f"{folder}: {len(objs)} {kind} passed but the checkpoint holds "
-                                    f"{manifest.get(kind, 0)}. Nothing was changed.")
+    _check_count(folder, manifest, "models", models)
     sharded = manifest["sharded"]
     _check_part_files(folder, sharded)
     aliases = sharded.get("aliases", [])
@@ -178,6 +176,13 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
         label = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [label + k for k in missing]
         load.unexpected_keys += [label + k for k in unexpected]
+    # the model's keys first: counts of optimizers / schedulers of another model's checkpoint would hide them
+    if manifest.get("mode") == "model_only" and (optimizers or schedulers):
+        wanted = [part_name("optimizer", j, ".json") for j in range(len(optimizers))]
+        wanted += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
+        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no {', '.join(wanted)}; load it "
+                                "with model_only=True, or pass no optimizer/scheduler. Nothing was changed.")
+    _check_count(folder, manifest, "optimizers", optimizers)
     saved_optimizers = []
     needed = [part_name("optimizer", j, ".json") for j in range(len(optimizers))]
     needed += [part_name("scheduler", k, ".json") for k in range(len(schedulers))]
@@ -192,6 +197,7 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
                                         where=f"{folder / (base + '.json')}")
         dest[base] = d
         saved_optimizers.append((owner, opt, base, info))
+    _check_count(folder, manifest, "schedulers", schedulers)
     for k, sched in enumerate(schedulers):
         name = part_name("scheduler", k, ".json")
         where = f"{folder / name}: not a valid fastckpt scheduler state"

@@ -10,9 +10,12 @@ CUDA states for devices this machine lacks are skipped with a warning (case C24)
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,7 @@ from fastckpt._format.json_input import load_json
 from fastckpt._format.tensors import file_tensors
 from fastckpt.errors import HeaderError
 
-__all__ = ["rng_payload", "RngState", "read_rng_state", "RngRestoreWarning"]
+__all__ = ["rng_payload", "RngState", "read_rng_state", "RngRestoreWarning", "warn_unrestored"]
 
 FORMAT = "fastckpt.random_states"
 
@@ -145,3 +148,25 @@ def read_rng_state(file: Any) -> RngState:
             f"{path}: python state has {len(state.python[1])} words (expected 625), numpy {keys.numel()} (expected 624)"
         )
     return state.check()
+
+
+_RNG_FILE = re.compile(r"^random_states_(\d+)\.(?:safetensors|pkl)$")
+
+
+def warn_unrestored(folder: Path, world_size: int, *, stacklevel: int = 3) -> list[str]:
+    """Warn (:class:`RngRestoreWarning`) naming the ``random_states_{rank}`` files of ``folder`` whose rank this
+    run of ``world_size`` processes does not have (a checkpoint saved by more processes): their RNG states are not
+    restored. Returns those file names (empty: nothing to warn about)."""
+    extra = sorted((int(m.group(1)), name) for name in os.listdir(folder)
+                   if (m := _RNG_FILE.match(name)) and int(m.group(1)) >= world_size)
+    if extra:
+        names = [name for _, name in extra]
+        warnings.warn(
+            f"{folder}: saved by {extra[-1][0] + 1} processes, resumed by {world_size}: the RNG states of "
+            f"processes {[k for k, _ in extra]} ({', '.join(names)}) are not restored; "
+            + ("process 0 restores its own" if world_size == 1 else f"processes 0..{world_size - 1} restore their own"),
+            RngRestoreWarning,
+            stacklevel=stacklevel,
+        )
+        return names
+    return []

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fastckpt._io.async_modes import check_mode
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
@@ -58,7 +59,7 @@ from fastckpt._io.participation import GRACE, participants
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
-from fastckpt._state.rng import RngRestoreWarning, rng_payload
+from fastckpt._state.rng import RngRestoreWarning, rng_payload, warn_unrestored
 from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
@@ -114,10 +115,13 @@ def save_state(
         timeout: seconds each process waits for the others at any step before raising
             :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died, or some but not all called save_state).
         async_save: as :func:`fastckpt.save_state`: ``True`` streams parameters and optimizer state in the
-            background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written),
-            ``"snapshot"`` copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
+            background (each prepared optimizer's next ``step()`` waits only for its tensors not yet written)
+            after hashing them at the call, and fails the save if any was written with other bytes (CUDA: a
+            snapshot the caller's stream waits for); ``"stream"`` skips the hashes (a write that bypasses torch's
+            version counters, such as ``p.data``, after the call is then saved undetected); ``"snapshot"``
+            copies the whole state at the call. Every process gets an ``AsyncSave`` handle that
             completes after the one atomic commit on the main process (and raises on every process if it failed).
-        host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True``).
+        host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True`` or ``"stream"``).
 
     Returns:
         The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``.
@@ -357,7 +361,9 @@ def load_state(
         CheckpointError: another process could not validate its part (names it); nothing changed here.
         NotImplementedError: DeepSpeed, FSDP1, Megatron-LM or XLA (the message says what to use instead).
         CollectiveTimeoutError: another process did not take part within ``timeout``.
-        RngRestoreWarning (warning): this process has no RNG file (the checkpoint was saved by fewer processes).
+        RngRestoreWarning (warning): this process has no RNG file (the checkpoint was saved by fewer processes);
+            or, on the main process, the checkpoint holds RNG files of ranks this run does not have (saved by more
+            processes), named in the warning: they are not restored.
 
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
@@ -368,6 +374,8 @@ def load_state(
                      timeout=timeout)
     wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
                       else project_root(accelerator) / "checkpoints")
+    if not model_only and int(accelerator.process_index) == 0:  # saved by more processes than this run has
+        warn_unrestored(folder, int(accelerator.num_processes))
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.async_stream import submit_stream
-from fastckpt._io.async_writer import AsyncSave, default_saver, finish_pending, submit
+from fastckpt._io.async_modes import start_async
+from fastckpt._io.async_writer import AsyncSave, default_saver, finish_pending
 from fastckpt._io.commit import write_checkpoint
 from fastckpt._io.distributed import broadcast_outcome, describe, is_distributed, side_group
 from fastckpt.errors import CheckpointError
@@ -43,7 +43,7 @@ def save_async(build: Callable[[], Any], rotate: Callable[[], None], target: Pat
         build: makes the save plan (called on the main process only).
         rotate: removes old checkpoints after the commit (main process).
         optimizers: the optimizers whose steps are guarded (``mode=True``).
-        mode: ``True`` (streaming) or ``"snapshot"``.
+        mode: ``True``, ``"stream"`` or ``"snapshot"`` (see :mod:`fastckpt._io.async_modes`).
     """
     group = side_group()  # a collective on first use: every process is here
     if not _is_main():
@@ -75,9 +75,7 @@ def save_async(build: Callable[[], Any], rotate: Callable[[], None], target: Pat
     try:
         finish_pending(wait=mode != "snapshot")
         plan = build()
-        if mode == "snapshot":
-            return submit(plan, target, write=write)
-        return submit_stream(plan, optimizers, target, write=write, budget=budget)
+        return start_async(plan, optimizers, target, mode, write=write, budget=budget)
     except BaseException as exc:  # nothing was started: tell the other processes, whose handles wait
         broadcast_outcome(describe(exc), group)
         raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastckpt._io.async_modes import check_mode
+
 __all__ = ["check_supported", "check_save_args"]
 
 _UNSUPPORTED = {
@@ -40,8 +42,7 @@ def check_save_args(fsdp: str | None, *, compat: Any, trainable_only: bool, dtyp
     """Raises ValueError / NotImplementedError for arguments that do not go together (before any process waits)."""
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
-    if async_save not in (False, True, "snapshot"):
-        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    check_mode(async_save)
     if async_save and fsdp is not None:
         raise ValueError("async_save does not apply to FSDP2 yet (its state is gathered or written through "
                          "torch.distributed.checkpoint); save with async_save=False")

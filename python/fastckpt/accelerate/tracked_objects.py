@@ -8,18 +8,28 @@ GradScaler                    ``scaler.safetensors``                ``scaler.pt`
 SeedableRandomSampler         ``sampler{_i}.json`` (epochs, seed)   ``sampler{_i}.bin`` (the pickled sampler,
                                                                     only for an ``IterableDatasetShard``)
 stateful dataloader           ``dl_state_dict{_i}.safetensors``     ``dl_state_dict{_i}.bin``
+shuffling generator           ``dl_generator{_i}.json`` (state,     not saved by accelerate (accelerate#3158):
+(several processes)           ``iteration``)                        a load warns
 ============================  ====================================  ==========================================
 
 (The object-state files are described in :mod:`fastckpt._state.objects`.) fastckpt saves a seedable sampler's
 ``epoch`` and ``initial_seed`` and its dataloader's epoch counter (``iteration``, which sets the sampler's epoch when
 the next epoch starts) for every prepared dataloader that has one, so a resumed run shuffles as the uninterrupted
 one would; accelerate pickles the whole sampler, and only in the rare iterable-dataset case.
+
+With several processes and a shuffled map-style dataset (accelerate's default, ``use_seedable_sampler=False``),
+accelerate gives the ``RandomSampler`` a generator of its own (seeded once at ``prepare``) that it synchronises
+across processes at the start of every epoch; stock accelerate does not save it, so a resumed run's next epoch
+replays the first epoch's order (accelerate#3158). fastckpt saves that generator's state (the same on every
+process at the end of an epoch) and the dataloader's epoch counter, so the resumed run shuffles its next epoch as
+the uninterrupted one would; a load that cannot restore it (a checkpoint without the file) warns.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +46,7 @@ from fastckpt._plan.accelerate_format import (
 )
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.objects import object_state_payload, read_object_state
+from fastckpt._state.rng import RngRestoreWarning
 from fastckpt._state.state_check import check_state_like
 from fastckpt.errors import HeaderError, KeyMismatchError, MissingStateError
 
@@ -53,6 +64,20 @@ def _seedable_sampler(dataloader: Any) -> Any:
     except AttributeError:
         return None
     return sampler if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def _shuffle_generator(dataloader: Any) -> Any:
+    """The generator accelerate synchronises across processes for ``dataloader``'s ``RandomSampler`` (several
+    processes, ``use_seedable_sampler=False``), or None."""
+    import torch
+
+    gen = getattr(dataloader, "synchronized_generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
+
+
+def _generator_state(dataloader: Any, gen: Any) -> str:
+    return json.dumps({"iteration": int(getattr(dataloader, "iteration", 0)),
+                       "state": gen.get_state().numpy().tobytes().hex()})
 
 
 def _iterable_shard(dataloader: Any) -> bool:
@@ -99,6 +124,9 @@ def add_tracked_objects(plan: SavePlan, accelerator: Any, *, compat: bool) -> No
                 plan.texts[part_name("sampler", i, ".json")] = json.dumps(state)
             if stateful:
                 plan.parts.append(_state_part(part_name("dl_state_dict", i, ".safetensors"), dl.state_dict()))
+            gen = _shuffle_generator(dl)
+            if gen is not None:
+                plan.texts[part_name("dl_generator", i, ".json")] = _generator_state(dl, gen)
 
 
 class _SamplerPosition:
@@ -113,6 +141,54 @@ class _SamplerPosition:
         self.sampler.initial_seed = state["initial_seed"]
         if hasattr(self.dataloader, "iteration"):
             self.dataloader.iteration = state["iteration"]
+
+
+class _GeneratorPosition:
+    """Restores the shuffling generator accelerate synchronises across processes and the dataloader's
+    ``iteration``."""
+
+    def __init__(self, generator: Any, dataloader: Any) -> None:
+        self.generator = generator
+        self.dataloader = dataloader
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["state"])
+        if hasattr(self.dataloader, "iteration"):
+            self.dataloader.iteration = state["iteration"]
+
+
+def _read_generator(path: Path, gen: Any) -> dict:
+    import torch
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        state = torch.frombuffer(bytearray.fromhex(doc["state"]), dtype=torch.uint8).clone()
+        iteration = int(doc["iteration"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise HeaderError(f"{path}: not a valid generator state ({type(exc).__name__}: {exc})") from None
+    expected = gen.get_state().numel()
+    if state.numel() != expected:
+        raise HeaderError(f"{path}: a generator state of {state.numel()} bytes, the live generator's has {expected}")
+    try:
+        gen.clone_state().set_state(state)  # refused now, before anything changes
+    except RuntimeError as exc:
+        raise HeaderError(f"{path}: a state the generator refuses ({exc})") from None
+    return {"state": state, "iteration": iteration}
+
+
+def _plan_generator(load: LoadPlan, folder: Path, i: int, dl: Any, *, stored: bool) -> None:
+    gen = _shuffle_generator(dl)
+    if gen is None:
+        return
+    name = part_name("dl_generator", i, ".json")
+    if stored and (folder / name).is_file():
+        load.objects.append((_GeneratorPosition(gen, dl), _read_generator(folder / name, gen)))
+        return
+    warnings.warn(f"{folder}: holds no {name}: dataloader {i}'s shuffling generator (synchronised across "
+                  "processes) is not restored, so its next epoch replays the order of a fresh run's first epoch, "
+                  "not the order the interrupted run would have taken (accelerate#3158); save with fastckpt's "
+                  "layout, or prepare with DataLoaderConfiguration(use_seedable_sampler=True)",
+                  RngRestoreWarning, stacklevel=4)
 
 
 class _SamplerSwap:
@@ -190,6 +266,7 @@ def plan_tracked_objects(load: LoadPlan, folder: Path, accelerator: Any, *, layo
                 state = torch_load(folder / dl_state_file(i), trust_pickle=trust_pickle, what=f"dataloader {i}")
                 _check_dl_state(state, folder / dl_state_file(i))
                 load.objects.append((dl, state))
+            _plan_generator(load, folder, i, dl, stored=False)
             continue
         path = folder / part_name("sampler", i, ".json")
         if sampler is not None and path.is_file():
@@ -205,3 +282,4 @@ def plan_tracked_objects(load: LoadPlan, folder: Path, accelerator: Any, *, layo
             state = _read_state(folder, dl_name, f"dataloader {i}")
             _check_dl_state(state, folder / dl_name)
             load.objects.append((dl, state))
+        _plan_generator(load, folder, i, dl, stored=True)

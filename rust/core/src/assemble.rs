@@ -146,7 +146,8 @@ pub fn write_assembled(
         });
         at += nbytes;
     }
-    let head = header::encode(metadata, &infos)?;
+    let head = header::encode(metadata, &infos)
+        .map_err(|e| crate::layout::in_file(e, &path.display().to_string()))?;
     let data_start = head.len() as u64;
     let mut copies = Vec::new();
     for (i, t) in tensors.iter().enumerate() {

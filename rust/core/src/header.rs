@@ -15,8 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::dtype::{numel, ByteSize, Dtype};
 use crate::error::{Error, Result};
 
-/// The reader refuses headers larger than this many bytes (as the official reader does).
-pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+pub use crate::limits::MAX_HEADER_BYTES;
 
 /// The metadata key of a header.
 pub const METADATA_KEY: &str = "__metadata__";
@@ -119,6 +118,16 @@ pub fn encode(metadata: Option<&[(String, String)]>, tensors: &[TensorInfo]) -> 
     serde_json::to_writer(&mut out, &HeaderRef { metadata, tensors })
         .map_err(|e| Error::InvalidArgument(format!("cannot encode the header as JSON: {e}")))?;
     let padded = (out.len() - 8).next_multiple_of(8);
+    if padded as u64 > MAX_HEADER_BYTES {
+        let meta: usize = metadata.map_or(0, |m| m.iter().map(|(k, v)| k.len() + v.len()).sum());
+        return Err(Error::InvalidArgument(format!(
+            "the header would be {padded} bytes ({} tensors, {meta} bytes of metadata keys and values), over \
+             the limit of {MAX_HEADER_BYTES} bytes that safetensors readers (fastckpt's and the official one) \
+             accept; nothing was written. Split the tensors across more files (max_shard_size) or shorten \
+             the metadata",
+            tensors.len()
+        )));
+    }
     out.resize(8 + padded, b' ');
     out[..8].copy_from_slice(&(padded as u64).to_le_bytes());
     Ok(out)

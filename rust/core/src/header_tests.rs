@@ -344,3 +344,20 @@ fn header_len_checks() {
         "Truncated"
     );
 }
+
+#[test]
+fn encode_refuses_a_header_the_reader_would_refuse() {
+    // One metadata value of the limit's size: the JSON around it takes the header over the limit.
+    let big = vec![("k".to_string(), "x".repeat(MAX_HEADER_BYTES as usize))];
+    let err = encode(Some(&big), &[]).unwrap_err();
+    assert_eq!(err.kind(), "InvalidArgument");
+    let msg = err.to_string();
+    assert!(msg.contains(&MAX_HEADER_BYTES.to_string()), "{msg}");
+    assert!(msg.contains("nothing was written"), "{msg}");
+    // Just under the limit it encodes, and the reader takes its length.
+    let fits = vec![("k".to_string(), "x".repeat(MAX_HEADER_BYTES as usize - 64))];
+    let out = encode(Some(&fits), &[]).unwrap();
+    let n = header_len(&out, out.len() as u64, "f").unwrap();
+    assert!(n <= MAX_HEADER_BYTES);
+    parse(&out[8..], out.len() as u64, "f").unwrap();
+}

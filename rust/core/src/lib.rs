@@ -27,6 +27,7 @@ pub mod dtype;
 pub mod error;
 pub mod header;
 pub mod layout;
+pub mod limits;
 pub mod pool;
 pub mod progress;
 pub mod reader;

@@ -1,12 +1,13 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
-//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c), assemble (write_assembled).
+//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c), assemble (write_assembled), limits (the readers' limits).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod assemble;
 mod commit;
 mod errors;
 mod integrity;
+mod limits;
 mod progress;
 mod read;
 mod write;
@@ -28,4 +29,9 @@ mod _core {
     use super::read::{parse_header, SafetensorsFile};
     #[pymodule_export]
     use super::write::{hash_tensors, serialize, write_file, write_files, write_files_checked};
+
+    #[pymodule_init]
+    fn init(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+        super::limits::add(m)
+    }
 }
