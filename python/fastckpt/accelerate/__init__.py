@@ -44,7 +44,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastckpt._io.async_modes import check_mode
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, gather_to_main, on_main
 from fastckpt._io.folder import opened_files, pinned
