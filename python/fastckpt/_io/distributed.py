@@ -32,6 +32,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
+from fastckpt._io.store_wait import KeyWait
 from fastckpt.errors import CheckpointError, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "is_distributed", "process_rank", "Session", "timeout_group", "check_timeout",
@@ -153,35 +154,35 @@ class Session:
     def _wait(self, keys: list[str], ranks: list[int], step: str) -> None:
         """Wait until every key exists; raise CollectiveTimeoutError after ``timeout`` s without progress.
 
-        Progress: a process waited for that is alive and not past this step (it bumps its ``alive`` key while it
-        waits or works) extends the deadline, so only a process that died or never came makes the wait fail.
+        The keys are awaited with a blocking ``store.wait`` (:class:`~fastckpt._io.store_wait.KeyWait`), which
+        returns the moment the last one is set; every ``period`` between, this process bumps its heartbeat, raises
+        if the operation was abandoned, and looks at the heartbeats of the processes it waits for. Progress: a
+        process waited for that is alive and not past this step (it bumps its ``alive`` key while it waits or
+        works) extends the deadline, so only a process that died or never came makes the wait fail.
         """
+        if self._call(lambda: self.store.check(keys)):
+            return
         period = max(0.2, min(self.timeout / 10, 5.0))
         deadline = time.monotonic() + self.timeout
+        waiting = self._call(lambda: KeyWait(self.store, keys, self.timeout))
         seen: dict[int, bytes] = {}
-        next_beat = 0.0
         beats = 0
-        delay = 0.001
-        while True:
-            if self._call(lambda: self.store.check(keys)):
-                return
+        while not self._call(lambda: waiting.arrived(period)):
             if self._call(lambda: self.store.check([self._abandoned])):
                 reason = self._call(lambda: self.store.get(self._abandoned)).decode()
                 raise CollectiveTimeoutError(f"{self.what}: given up ({reason})")
             now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + period
-                beats += 1
-                self._call(lambda beats=beats: self.beat(beats))
-                for r in ranks:
-                    key = self._alive_key(r)
-                    if not self._call(lambda key=key: self.store.check([key])):
-                        continue
-                    value = self._call(lambda key=key: self.store.get(key))
-                    if value != seen.get(r) and int(value.split()[0]) <= self._step:
-                        if r in seen:
-                            deadline = now + self.timeout
-                        seen[r] = value
+            beats += 1
+            self._call(lambda beats=beats: self.beat(beats))
+            for r in ranks:
+                key = self._alive_key(r)
+                if not self._call(lambda key=key: self.store.check([key])):
+                    continue
+                value = self._call(lambda key=key: self.store.get(key))
+                if value != seen.get(r) and int(value.split()[0]) <= self._step:
+                    if r in seen:
+                        deadline = now + self.timeout
+                    seen[r] = value
             if now > deadline:
                 missing = [r for r, k in zip(ranks, keys) if not self._call(lambda k=k: self.store.check([k]))]
                 reason = (f"process {self.rank} waited {self.timeout:g} s at step '{step}' for process(es) "
@@ -189,8 +190,6 @@ class Session:
                 self.abandon(reason)
                 raise CollectiveTimeoutError(
                     f"{self.what}: {reason}; every process must call it, with the same arguments")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     def abandon(self, reason: str) -> None:
         """Tell the other processes this operation is given up (they raise at their next wait)."""
