@@ -97,3 +97,11 @@ def test_timeouts_are_told_from_other_errors(store):
     assert is_wait_timeout(info.value)
     assert not is_wait_timeout(RuntimeError("Connection reset by peer"))
     assert not is_wait_timeout(ValueError("wait timeout"))
+
+
+def test_release_sets_the_missing_keys_and_ends_the_thread(store):
+    store.set("have", "1")
+    wait = KeyWait(store, ["have", "missing"], 30)
+    wait.release(b"given up", 30)
+    assert wait._done.is_set() and wait.arrived(0.01)
+    assert store.multi_get(["have", "missing"]) == [b"1", b"given up"]

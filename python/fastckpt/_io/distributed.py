@@ -45,6 +45,8 @@ T = TypeVar("T")
 _operations = 0  # sessions started by this process: the same sequence on every rank
 _stale_keys: list[str] = []  # rank 0's broadcast keys, deleted once every rank has joined a later session
 _groups: dict[float, Any] = {}
+#: what a process that gave up sets the keys it still waited for to (no pickle starts with it)
+_GIVEN_UP = b"fastckpt: given up"
 
 
 def is_distributed() -> bool:
@@ -163,8 +165,20 @@ class Session:
         if self._call(lambda: self.store.check(keys)):
             return
         period = max(0.2, min(self.timeout / 10, 5.0))
-        deadline = time.monotonic() + self.timeout
         waiting = self._call(lambda: KeyWait(self.store, keys, self.timeout))
+        try:
+            self._wait_for(waiting, keys, ranks, step, period)
+        except BaseException as exc:  # gave up: release this process's waiting thread (the keys read as given up)
+            if not isinstance(exc, CollectiveTimeoutError):
+                self.abandon(f"process {self.rank} stopped waiting at step '{step}' ({_describe(exc)})")
+            try:
+                waiting.release(_GIVEN_UP, period)
+            except Exception:  # the store is gone: so is the thread's connection
+                pass
+            raise
+
+    def _wait_for(self, waiting: KeyWait, keys: list[str], ranks: list[int], step: str, period: float) -> None:
+        deadline = time.monotonic() + self.timeout
         seen: dict[int, bytes] = {}
         beats = 0
         while not self._call(lambda: waiting.arrived(period)):
@@ -240,7 +254,11 @@ class Session:
             _stale_keys.append(key)
             return obj
         self._wait([key], [0], step)
-        return pickle.loads(self._call(lambda: self.store.get(key)))
+        value = self._call(lambda: self.store.get(key))
+        if value == _GIVEN_UP:  # another process gave up waiting for this key and released its waiter with it
+            self._check_not_abandoned()
+            raise CollectiveTimeoutError(f"{self.what}: given up at step '{step}'")
+        return pickle.loads(value)
 
     def working(self) -> _Heartbeat:
         """A context in which this rank bumps the heartbeat, so the others keep waiting while it works."""

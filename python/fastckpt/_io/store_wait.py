@@ -88,6 +88,16 @@ class KeyWait:
         finally:
             self._done.set()
 
+    def release(self, value: bytes, seconds: float) -> None:
+        """Set every awaited key that is still missing to ``value``, so the waiting thread returns (a thread left
+        blocked in the store's C++ client aborts the process when the interpreter exits); wait at most ``seconds``
+        for it. For a caller that gave up: whoever reads those keys must recognise ``value``."""
+        for key in self._keys:
+            if not self._store.check([key]):
+                self._store.set(key, value)
+        if self._connection is not None:
+            self._done.wait(seconds)
+
     def arrived(self, seconds: float) -> bool:
         """Whether every key exists, waiting at most ``seconds`` for it (returns as soon as the last one is set).
 
