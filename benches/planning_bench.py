@@ -249,6 +249,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+RATIOS = (("fastckpt_save", "dcp_save"), ("fastckpt_save", "fastckpt_save_first"), ("fastckpt_load", "dcp_load"))
+
+
+def _round_ratio(res: list[dict[str, list[dict[str, Any]]]], a: str, b: str) -> float:
+    rounds = range(len(res[0][a]))
+    return statistics.median(max(r[a][i]["ms"] for r in res) / max(r[b][i]["ms"] for r in res) for i in rounds)
+
+
 def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(row.get(key, 0) for row in rows)
 
@@ -297,6 +305,10 @@ def main() -> None:
             print(f"| {op} | {w} | {wall:.0f} | {_median(rows, 'collectives'):.0f} | "
                   f"{_median(rows, 'collective_bytes') / 1e3:.1f} | {_median(rows, 'store_ops'):.0f} | {_median(rows, 'store_bytes') / 1e3:.1f} | "
                   f"{_median(rows, 'plan_ms'):.1f} |")
+    print("\nmedians of per-round ratios (wall of the slowest rank, same round):")
+    for w in worlds:
+        cells = [f"{a}/{b} {_round_ratio(everything[w], a, b):.2f}" for a, b in RATIOS]
+        print(f"  world {w}: " + "; ".join(cells))
     last = everything[worlds[-1]]
     print(f"\ncollectives by kind at world {worlds[-1]}, rank 0:")
     for op in OPS:

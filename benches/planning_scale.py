@@ -41,6 +41,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS_PER_RANK = 4
 COLS = 64
+LAST_WALL = 0.0  # wall seconds of the last count_ops call
 PROFILE = True  # count calls (sys.setprofile); --no-count times without the profiler's overhead
 
 
@@ -85,7 +86,9 @@ def count_ops(fn: Callable[[], Any]) -> tuple[int, float, Any]:
         if event == "call" or event == "c_call":
             calls += 1
 
+    global LAST_WALL
     start = time.process_time()
+    wall = time.perf_counter()
     if PROFILE:
         sys.setprofile(profile)
     try:
@@ -93,6 +96,7 @@ def count_ops(fn: Callable[[], Any]) -> tuple[int, float, Any]:
     finally:
         if PROFILE:
             sys.setprofile(None)
+    LAST_WALL = time.perf_counter() - wall
     return calls, time.process_time() - start, out
 
 
@@ -181,6 +185,7 @@ def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
     out: dict[str, tuple[int, float]] = {}
     ops, secs, (final, metadata) = count_ops(lambda: global_plan(plans))
     out["global plan"] = (ops, secs)
+    walls = [LAST_WALL]
     from torch.distributed.checkpoint.planner import SavePlanner
 
     for cache in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
@@ -195,10 +200,13 @@ def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
         ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, pathlib.Path(tmp) / "model"))
         text = (pathlib.Path(tmp) / "model" / "dcp_metadata.json").read_bytes()
     out["writer"] = (ops, secs)
+    walls.append(LAST_WALL)
     ops, secs, _ = count_ops(lambda: manifest_merge(world, files))
     out["manifest"] = (ops, secs)
+    walls.append(LAST_WALL)
     out["coordinator total"] = (sum(out[k][0] for k in ("global plan", "writer", "manifest")),
                                 sum(out[k][1] for k in ("global plan", "writer", "manifest")))
+    out["coordinator total, wall s"] = (0, sum(walls))
     ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
     out["rank load plan"] = (ops, secs)
     from fastckpt._format.dcp_metadata import parse_metadata
@@ -227,7 +235,8 @@ def main() -> None:
     for step in rows[worlds[0]]:
         cells = [f"{rows[w][step][1]:.3f} s ({rows[w][step][0] / 1e6:.2f} M ops)" for w in worlds]
         ratios = [rows[b][step][0] / max(1, rows[a][step][0]) for a, b in zip(worlds, worlds[1:])]
-        print(f"| {step} | " + " | ".join(cells) + " | " + ", ".join(f"{x:.2f}" for x in ratios) + " |")
+        ratio = ", ".join(f"{x:.2f}" for x in ratios) if rows[worlds[0]][step][0] else "-"
+        print(f"| {step} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
