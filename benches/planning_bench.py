@@ -15,10 +15,13 @@ Counted on every rank during each call, by wrapping the calls (nothing is sample
 
 - ``collectives``: torch.distributed collective calls (``gather_object``, ``scatter_object_list``,
   ``broadcast_object_list``, ``all_gather_object``, ``barrier``, ``all_reduce``, ...): DCP's planning rounds;
+- ``collective KB sent``: the pickled size of what the rank hands to those object collectives (its plan in a
+  gather, the plans the coordinator scatters, ...);
 - ``store ops`` / ``store KB``: requests to the process group's key-value store (fastckpt's own steps, see
   :mod:`fastckpt._io.distributed`) and the bytes set + read through it;
 - ``plan ms``: the coordinator's planning work (``create_global_plan`` of DCP's planners, the storage writer's
-  ``prepare_global_plan`` and ``finish``), on rank 0.
+  ``prepare_global_plan`` and ``finish``), on rank 0; ``global plan ms``: the ``create_global_plan`` part (what a
+  cached plan skips; ``finish`` merges each save's write results and runs every time).
 
 Reported per world size: median wall ms per call, and rank 0's counts (medians over rounds); the last rows give
 the count per rank of the largest world, which must not grow with the world size for the non-coordinator ranks.
@@ -41,7 +44,7 @@ from collections import Counter
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OPS = ("fastckpt_save", "dcp_save", "fastckpt_load", "dcp_load")
+OPS = ("fastckpt_save_first", "fastckpt_save", "dcp_save", "fastckpt_load", "dcp_load")
 _COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object", "barrier",
                 "all_reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")
 
@@ -69,6 +72,18 @@ def _size(obj: Any) -> int:
         return 0
 
 
+#: the argument holding what a rank sends, per object collective (positional index, keyword)
+_PAYLOAD = {"gather_object": (0, "obj"), "all_gather_object": (1, "obj"),
+            "scatter_object_list": (1, "scatter_object_input_list"), "broadcast_object_list": (0, "object_list")}
+
+
+def _payload(name: str, args: tuple, kwargs: dict) -> Any:
+    if name not in _PAYLOAD:
+        return None
+    index, key = _PAYLOAD[name]
+    return args[index] if len(args) > index else kwargs.get(key)
+
+
 def _wrap_collectives() -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -83,8 +98,9 @@ def _wrap_collectives() -> None:
                 return __fn(*args, **kwargs)
             COUNTS.c["collectives"] += 1
             COUNTS.c[f"coll:{__name}"] += 1
-            if __name.endswith("_object") or __name.endswith("_object_list"):
-                COUNTS.c["collective_bytes"] += sum(_size(a) for a in args[:1])
+            payload = _payload(__name, args, kwargs)
+            if payload is not None:
+                COUNTS.c["collective_bytes"] += _size(payload)
             COUNTS.depth += 1
             try:
                 return __fn(*args, **kwargs)
@@ -151,6 +167,8 @@ def _wrap_planning() -> None:
                 return fn(self, *args, **kwargs)
             finally:
                 COUNTS.plan_s += time.perf_counter() - start
+                if name == "create_global_plan":
+                    COUNTS.c["global_plan_ms"] += (time.perf_counter() - start) * 1e3
 
         setattr(cls, name, wrapper)
 
@@ -188,6 +206,15 @@ def worker(args: argparse.Namespace) -> None:
     def fastckpt_save(r: int) -> None:
         fastckpt.save_state(model, opt, output_dir=base / f"fc{r}", durable=False)
 
+    def fastckpt_save_first(r: int) -> None:  # as the first save of a state: fastckpt.dcp's plan caches emptied
+        from torch.distributed.checkpoint.planner import SavePlanner
+
+        for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan,
+                      SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
+            for key in [k for k in cache if k.startswith("fastckpt.dcp:")]:
+                del cache[key]
+        fastckpt.save_state(model, opt, output_dir=base / f"fc_first{r}", durable=False)
+
     def fastckpt_load(r: int) -> None:
         fastckpt.load_state(model, opt, input_dir=base / f"fc{r}")
 
@@ -202,11 +229,12 @@ def worker(args: argparse.Namespace) -> None:
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(base / f"dcp{r}")))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    calls = {"fastckpt_save": fastckpt_save, "dcp_save": dcp_save, "fastckpt_load": fastckpt_load,
+    calls = {"fastckpt_save_first": fastckpt_save_first, "fastckpt_save": fastckpt_save, "dcp_save": dcp_save, "fastckpt_load": fastckpt_load,
              "dcp_load": dcp_load}
     out: dict[str, list[dict[str, Any]]] = {op: [] for op in OPS}
     for r in range(args.rounds + 1):  # round 0 warms up (imports, first-use groups); not reported
-        order = ["fastckpt_save", "dcp_save"] if r % 2 == 0 else ["dcp_save", "fastckpt_save"]
+        order = ["fastckpt_save_first", "fastckpt_save", "dcp_save"] if r % 2 == 0 else \
+            ["dcp_save", "fastckpt_save_first", "fastckpt_save"]
         order += ["fastckpt_load", "dcp_load"] if r % 2 == 0 else ["dcp_load", "fastckpt_load"]
         for op in order:
             dist.barrier()
@@ -222,6 +250,14 @@ def worker(args: argparse.Namespace) -> None:
     (pathlib.Path(args.out) / f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+RATIOS = (("fastckpt_save", "dcp_save"), ("fastckpt_save", "fastckpt_save_first"), ("fastckpt_load", "dcp_load"))
+
+
+def _round_ratio(res: list[dict[str, list[dict[str, Any]]]], a: str, b: str) -> float:
+    rounds = range(len(res[0][a]))
+    return statistics.median(max(r[a][i]["ms"] for r in res) / max(r[b][i]["ms"] for r in res) for i in rounds)
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
@@ -261,8 +297,9 @@ def main() -> None:
     everything: dict[int, list] = {}
     print(f"tiny FSDP2 state (16 x Linear(64, 64) + AdamW), gloo on {os.cpu_count()} cores; medians of "
           f"{args.rounds} alternated rounds; counts are rank 0's (coordinator) per call")
-    print("| op | world | wall ms | collectives | store ops | store KB | coordinator plan ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | world | wall ms | collectives | collective KB sent | store ops | store KB | coordinator plan ms "
+          "| of it global plan ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for w in worlds:
         res = run_world(w, args.rounds)
         everything[w] = res
@@ -270,8 +307,12 @@ def main() -> None:
             rows = res[0][op]
             wall = statistics.median(max(r[op][i]["ms"] for r in res) for i in range(len(rows)))
             print(f"| {op} | {w} | {wall:.0f} | {_median(rows, 'collectives'):.0f} | "
-                  f"{_median(rows, 'store_ops'):.0f} | {_median(rows, 'store_bytes') / 1e3:.1f} | "
-                  f"{_median(rows, 'plan_ms'):.1f} |")
+                  f"{_median(rows, 'collective_bytes') / 1e3:.1f} | {_median(rows, 'store_ops'):.0f} | {_median(rows, 'store_bytes') / 1e3:.1f} | "
+                  f"{_median(rows, 'plan_ms'):.1f} | {_median(rows, 'global_plan_ms'):.1f} |")
+    print("\nmedians of per-round ratios (wall of the slowest rank, same round):")
+    for w in worlds:
+        cells = [f"{a}/{b} {_round_ratio(everything[w], a, b):.2f}" for a, b in RATIOS]
+        print(f"  world {w}: " + "; ".join(cells))
     last = everything[worlds[-1]]
     print(f"\ncollectives by kind at world {worlds[-1]}, rank 0:")
     for op in OPS:

@@ -17,10 +17,13 @@ its ``step`` replicated on every rank, as FSDP2 gives them):
 - ``manifest``: fastckpt's manifest merge (:func:`fastckpt._io.layout.manifest_dict` over every rank's shard file
   and RNG file, serialised);
 - ``rank load plan``: one rank's own load planning (``DefaultLoadPlanner`` over the merged metadata, for its own
-  rows of every tensor), which DCP runs on every rank.
+  rows of every tensor), which DCP runs on every rank;
+- ``rank metadata parse``: one rank's reading of the merged ``dcp_metadata.json`` (every rank parses and checks
+  it on load: N chunks per tensor, their cover checked).
 
 Work is counted as Python function calls (``sys.setprofile``: every ``call`` and ``c_call`` event), which is
-deterministic; wall seconds are printed beside it. ``ops ratio`` is each world's count over the previous world's:
+deterministic; CPU seconds of the process (``time.process_time``) are printed beside it, with the
+profiler's overhead, or without it (and without counts) under ``--no-count``. ``ops ratio`` is each world's count over the previous world's:
 at most ~2 when a world twice as large costs at most twice as much (linear).
 """
 
@@ -38,7 +41,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS_PER_RANK = 4
 COLS = 64
-PROFILE = True  # count calls (sys.setprofile); --wall-only times without the profiler's overhead
+LAST_WALL = 0.0  # wall seconds of the last count_ops call
+PROFILE = True  # count calls (sys.setprofile); --no-count times without the profiler's overhead
 
 
 def _index(fqn: str, offsets: tuple[int, ...]) -> Any:
@@ -73,7 +77,8 @@ def rank_plans(world: int, tensors: int) -> list[Any]:
 
 
 def count_ops(fn: Callable[[], Any]) -> tuple[int, float, Any]:
-    """``(Python and C function calls made by fn(), wall seconds, fn's result)``."""
+    """``(Python and C function calls made by fn(), seconds, fn's result)``: CPU seconds of this process
+    (``time.process_time``: on a shared machine the wall time mostly measures the other processes)."""
     calls = 0
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -81,21 +86,29 @@ def count_ops(fn: Callable[[], Any]) -> tuple[int, float, Any]:
         if event == "call" or event == "c_call":
             calls += 1
 
-    start = time.perf_counter()
+    global LAST_WALL
+    start = time.process_time()
+    wall = time.perf_counter()
     if PROFILE:
         sys.setprofile(profile)
     try:
         out = fn()
     finally:
-        sys.setprofile(None)
-    return calls, time.perf_counter() - start, out
+        if PROFILE:
+            sys.setprofile(None)
+    LAST_WALL = time.perf_counter() - wall
+    return calls, time.process_time() - start, out
+
+
+CACHE_KEY = "planning-scale"
 
 
 def global_plan(plans: list[Any], *, caching: bool = False) -> tuple[list[Any], Any]:
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    """DCP's global planning as a sharded save runs it: ``fastckpt.dcp.SavePlanner`` (DCP's default planner, its
+    merge with the garbage collector paused; plans cached per part)."""
+    import fastckpt.dcp
 
-    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=caching)
-    planner._cached_plans_key = "fastckpt-planning-scale"
+    planner = fastckpt.dcp.SavePlanner(cache_key=CACHE_KEY if caching else None, flatten_state_dict=False)
     return planner.create_global_plan(plans)
 
 
@@ -172,10 +185,11 @@ def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
     out: dict[str, tuple[int, float]] = {}
     ops, secs, (final, metadata) = count_ops(lambda: global_plan(plans))
     out["global plan"] = (ops, secs)
+    walls = [LAST_WALL]
     from torch.distributed.checkpoint.planner import SavePlanner
 
     for cache in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
-        cache.pop("fastckpt-planning-scale", None)
+        cache.pop(f"fastckpt.dcp:{CACHE_KEY}", None)
     global_plan(plans, caching=True)  # the first save fills the cache
     from torch.distributed.checkpoint.planner import SavePlan
 
@@ -184,13 +198,21 @@ def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
     out["global plan, cached"] = (ops, secs)
     with tempfile.TemporaryDirectory(prefix="fastckpt-scale-") as tmp:
         ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, pathlib.Path(tmp) / "model"))
+        text = (pathlib.Path(tmp) / "model" / "dcp_metadata.json").read_bytes()
     out["writer"] = (ops, secs)
+    walls.append(LAST_WALL)
     ops, secs, _ = count_ops(lambda: manifest_merge(world, files))
     out["manifest"] = (ops, secs)
+    walls.append(LAST_WALL)
     out["coordinator total"] = (sum(out[k][0] for k in ("global plan", "writer", "manifest")),
                                 sum(out[k][1] for k in ("global plan", "writer", "manifest")))
+    out["coordinator total, wall s"] = (0, sum(walls))
     ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
     out["rank load plan"] = (ops, secs)
+    from fastckpt._format.dcp_metadata import parse_metadata
+
+    ops, secs, _ = count_ops(lambda: parse_metadata(text, "dcp_metadata.json"))
+    out["rank metadata parse"] = (ops, secs)
     return out
 
 
@@ -198,21 +220,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,512,1024,2048,4096")
     parser.add_argument("--tensors", type=int, default=16, help="Linear layers (weight + bias each)")
-    parser.add_argument("--wall-only", action="store_true", help="time without counting calls (no profiler)")
+    parser.add_argument("--no-count", "--wall-only", dest="no_count", action="store_true",
+                        help="time without counting calls (no profiler)")
     args = parser.parse_args()
     global PROFILE
-    PROFILE = not args.wall_only
+    PROFILE = not args.no_count
     sys.path.insert(0, str(ROOT / "python"))
     worlds = [int(w) for w in args.ranks.split(",")]
     print(f"synthetic FSDP2 plans: {args.tensors} x (weight [{ROWS_PER_RANK}N, {COLS}] + bias [{ROWS_PER_RANK}N]) "
-          "+ AdamW (exp_avg, exp_avg_sq sharded, step replicated); N ranks; ops = Python/C calls, s = wall")
+          "+ AdamW (exp_avg, exp_avg_sq sharded, step replicated); N ranks; ops = Python/C calls, s = CPU seconds")
     print("| step | " + " | ".join(f"N={w}" for w in worlds) + " | ops ratio per doubling |")
     print("|---|" + "---|" * (len(worlds) + 1))
     rows = {w: measure(w, args.tensors) for w in worlds}
     for step in rows[worlds[0]]:
         cells = [f"{rows[w][step][1]:.3f} s ({rows[w][step][0] / 1e6:.2f} M ops)" for w in worlds]
         ratios = [rows[b][step][0] / max(1, rows[a][step][0]) for a, b in zip(worlds, worlds[1:])]
-        print(f"| {step} | " + " | ".join(cells) + " | " + ", ".join(f"{x:.2f}" for x in ratios) + " |")
+        ratio = ", ".join(f"{x:.2f}" for x in ratios) if rows[worlds[0]][step][0] else "-"
+        print(f"| {step} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; 
 - integrity (W = 2): one flipped byte in a model part file (IntegrityError naming file and tensor on the rank
   reading it, CheckpointError naming it elsewhere), then in every optimizer part file (IntegrityError on every
   rank); nothing changes on any rank.
+- plan cache: a resave of an unchanged state reuses the cached DCP plans (no global planning on the coordinator);
+  a state with new optimizer state, then a model with other parameter shapes, saved to the same folder, plan
+  again and load back bit-exact into fresh objects.
 - timeout (W >= 2): rank 1 skips a save; the others raise CollectiveTimeoutError naming it, within ``timeout``;
   when rank 1 then calls it, it raises too (the save was given up), and the next save works on every rank.
 """
@@ -219,6 +222,49 @@ def scenario_integrity(rank: int, world: int) -> None:
         checks[f"integrity_{case}_intact_loads"] = not same(full_state(model, opt), before)
 
 
+def planned(fn) -> int:
+    """How many times the coordinator's DCP global planning (dedup, merge, validation) ran during ``fn()``."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    real = DefaultSavePlanner._create_global_plan
+    calls = []
+
+    def counting(self, all_plans):
+        calls.append(1)
+        return real(self, all_plans)
+
+    DefaultSavePlanner._create_global_plan = counting
+    try:
+        fn()
+    finally:
+        DefaultSavePlanner._create_global_plan = real
+    return len(calls)
+
+
+def scenario_plan_cache(rank: int, world: int) -> None:
+    target = OUT / f"w{world}_plan_cache"
+    model, opt, sched = fresh("tiny")
+
+    def save_and_load_back(m, o, s, **sizes) -> object:
+        n = planned(lambda: fastckpt.save_state(m, o, s, output_dir=target))
+        m2, o2, s2 = fresh("tiny", seed=99, **sizes)
+        train_step(m2, o2, s2, 0, rank=rank, world=world)  # other values, same structure as the saved state
+        fastckpt.load_state(m2, o2, s2, input_dir=target)
+        got, want = full_state(m2, o2), full_state(m, o)
+        return {"planned": n, "same": same(got, want) or diff(got, want)[:5]}
+
+    checks["cache_first"] = save_and_load_back(model, opt, sched)  # no optimizer state yet
+    checks["cache_unchanged"] = {"planned": planned(lambda: fastckpt.save_state(model, opt, sched,
+                                                                                 output_dir=target))}
+    train_step(model, opt, sched, 0, rank=rank, world=world)  # AdamW's exp_avg, exp_avg_sq, step appear
+    checks["cache_new_optimizer_state"] = save_and_load_back(model, opt, sched)
+    train_step(model, opt, sched, 1, rank=rank, world=world)  # new values, same plans
+    checks["cache_new_values"] = save_and_load_back(model, opt, sched)
+    other, other_opt, other_sched = fresh("tiny", dim=17, hidden=5)
+    train_step(other, other_opt, other_sched, 0, rank=rank, world=world)
+    checks["cache_new_shapes"] = save_and_load_back(other, other_opt, other_sched, dim=17, hidden=5)
+
+
 def scenario_timeout(rank: int, world: int) -> None:
     model, opt, sched = fresh("tiny")
     target = OUT / f"w{world}_timeout"
@@ -244,6 +290,7 @@ def main() -> None:
             record("scenario_model_only", lambda: scenario_model_only_rules(rank))
             record("scenario_failures", lambda: scenario_failures(rank, world))
         record("scenario_rounds", lambda: scenario_rounds(rank, world))
+        record("scenario_plan_cache", lambda: scenario_plan_cache(rank, world))
         if world >= 2:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
         if world == 2:

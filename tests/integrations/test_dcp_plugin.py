@@ -178,3 +178,67 @@ def test_missing_and_truncated_files(saved, tmp_path):
         fastckpt.dcp.load(template(full_state()), saved)
     with pytest.raises(MissingStateError, match="dcp_metadata.json"):
         fastckpt.dcp.load(template(full_state()), tmp_path / "nothing")
+
+
+@single_process
+def test_the_reader_parses_its_metadata_once_per_version_of_the_file(saved, tmp_path, monkeypatch):
+    import fastckpt.dcp.reader as reader_module
+
+    parsed = []
+    real = reader_module.read_dcp_metadata
+    monkeypatch.setattr(reader_module, "read_dcp_metadata", lambda folder: parsed.append(folder) or real(folder))
+    reader = fastckpt.dcp.StorageReader(saved)
+    first = reader.read_metadata()
+    state = full_state()
+    got = template(state)
+    dcp.load(got, storage_reader=reader)  # DCP reads the metadata again: served from the first parse
+    assert mismatches(state, got) == [] and reader.read_metadata() is first and len(parsed) == 1
+    changed = full_state()
+    changed["w"] = changed["w"] + 1
+    fastckpt.dcp.save(changed, saved)  # a new save replaces the folder (a new dcp_metadata.json)
+    got = template(changed)
+    dcp.load(got, storage_reader=reader)
+    assert len(parsed) == 2 and mismatches(changed, got) == []
+
+
+@single_process
+def test_a_cached_save_plan_is_not_served_to_a_changed_state(tmp_path):
+    """fastckpt.dcp.SavePlanner caches plans per key (commit=False writers); DCP's own comparison ignores dtypes, so
+    a state that only changed dtype must be planned again: each save loads back bit-exact, dtypes included."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planned = []
+    real = DefaultSavePlanner._create_global_plan
+
+    def counting(self, all_plans):
+        planned.append(1)
+        return real(self, all_plans)
+
+    def save_and_check(state, folder):
+        writer = fastckpt.dcp.StorageWriter(folder, commit=False)
+        fastckpt.dcp.save(state, folder, writer=writer, planner=writer.save_planner("test-cache"))
+        got = template(state)
+        fastckpt.dcp.load(got, folder)
+        assert mismatches(state, got) == []
+
+    first = {"w": torch.randn(6, 4), "b": torch.randn(4), "n": 3}
+    changed_values = {"w": torch.randn(6, 4), "b": torch.randn(4), "n": 4}
+    changed_dtype = {"w": torch.randn(6, 4).double(), "b": torch.randn(4), "n": 4}
+    changed_shape = {"w": torch.randn(7, 4).double(), "b": torch.randn(4), "n": 4}
+    new_entry = {**changed_shape, "exp_avg": torch.randn(7, 4)}
+    try:
+        DefaultSavePlanner._create_global_plan = counting
+        for i, (state, plans) in enumerate([(first, 1), (first, 0), (changed_values, 0), (changed_dtype, 1),
+                                            (changed_shape, 1), (new_entry, 1), (new_entry, 0)]):
+            before = len(planned)
+            save_and_check(state, tmp_path / f"c{i}")
+            assert len(planned) - before == plans, (i, planned)
+    finally:
+        DefaultSavePlanner._create_global_plan = real
+    reader = fastckpt.dcp.StorageReader(tmp_path / "c3")
+    assert reader.read_metadata().state_dict_metadata["w"].properties.dtype == torch.float64
+
+
+def test_a_committing_writer_gives_a_planner_without_caching(tmp_path):
+    assert not fastckpt.dcp.StorageWriter(tmp_path / "a").save_planner("k")._enable_plan_caching
+    assert fastckpt.dcp.StorageWriter(tmp_path / "a", commit=False).save_planner("k")._enable_plan_caching

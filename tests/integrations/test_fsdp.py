@@ -262,3 +262,19 @@ def test_collective_rounds_do_not_grow_with_the_world_size(runs):
         assert all(c == counts[0] for c in counts), (op, counts)
     load = results[2][0]["rounds_load"]
     assert load["store steps"] == 2, load  # validate: gather + broadcast; no arrive or read steps of its own
+
+
+def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_again(runs):
+    """Plan caching (issue 20.2): the resave of an unchanged state runs no global planning on the coordinator; new
+    optimizer state and new parameter shapes are planned again, and every save loads back bit-exact."""
+    _, results = runs
+    for w in (2, 4):
+        for rank, res in enumerate(results[w]):
+            assert res["scenario_plan_cache"] is None, (w, rank, res["scenario_plan_cache"])
+            for name in ("cache_first", "cache_new_optimizer_state", "cache_new_values", "cache_new_shapes"):
+                assert res[name]["same"] is True, (w, rank, name, res[name])
+        coordinator = results[w][0]
+        assert coordinator["cache_unchanged"]["planned"] == 0, coordinator["cache_unchanged"]
+        assert coordinator["cache_new_values"]["planned"] == 0, coordinator["cache_new_values"]
+        for name in ("cache_new_optimizer_state", "cache_new_shapes"):
+            assert coordinator[name]["planned"] >= 1, (name, coordinator[name])

@@ -20,7 +20,7 @@ def work():
     return {n: measure(n, 2) for n in (64, 128, 256)}
 
 
-@pytest.mark.parametrize("step", ["global plan", "writer", "manifest", "coordinator total"])
+@pytest.mark.parametrize("step", ["global plan", "writer", "manifest", "coordinator total", "rank metadata parse"])
 def test_doubling_the_ranks_at_most_doubles_the_coordinators_work(work, step):
     for n in (64, 128):
         small, large = work[n][step][0], work[2 * n][step][0]

@@ -32,6 +32,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
+from fastckpt._io.store_wait import KeyWait
 from fastckpt.errors import CheckpointError, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "is_distributed", "alone", "process_rank", "Session", "timeout_group", "check_timeout",
@@ -44,6 +45,8 @@ T = TypeVar("T")
 _operations = 0  # sessions started by this process: the same sequence on every rank
 _stale_keys: list[str] = []  # rank 0's broadcast keys, deleted once every rank has joined a later session
 _groups: dict[float, Any] = {}
+#: what a process that gave up sets the keys it still waited for to (no pickle starts with it)
+_GIVEN_UP = b"fastckpt: given up"
 
 
 _local = threading.local()  # ``solo``: this thread runs an operation of the main process alone
@@ -171,35 +174,47 @@ class Session:
     def _wait(self, keys: list[str], ranks: list[int], step: str) -> None:
         """Wait until every key exists; raise CollectiveTimeoutError after ``timeout`` s without progress.
 
-        Progress: a process waited for that is alive and not past this step (it bumps its ``alive`` key while it
-        waits or works) extends the deadline, so only a process that died or never came makes the wait fail.
+        The keys are awaited with a blocking ``store.wait`` (:class:`~fastckpt._io.store_wait.KeyWait`), which
+        returns the moment the last one is set; every ``period`` between, this process bumps its heartbeat, raises
+        if the operation was abandoned, and looks at the heartbeats of the processes it waits for. Progress: a
+        process waited for that is alive and not past this step (it bumps its ``alive`` key while it waits or
+        works) extends the deadline, so only a process that died or never came makes the wait fail.
         """
+        if self._call(lambda: self.store.check(keys)):
+            return
         period = max(0.2, min(self.timeout / 10, 5.0))
+        waiting = self._call(lambda: KeyWait(self.store, keys, self.timeout))
+        try:
+            self._wait_for(waiting, keys, ranks, step, period)
+        except BaseException as exc:  # gave up: release this process's waiting thread (the keys read as given up)
+            if not isinstance(exc, CollectiveTimeoutError):
+                self.abandon(f"process {self.rank} stopped waiting at step '{step}' ({_describe(exc)})")
+            try:
+                waiting.release(_GIVEN_UP, period)
+            except Exception:  # the store is gone: so is the thread's connection
+                pass
+            raise
+
+    def _wait_for(self, waiting: KeyWait, keys: list[str], ranks: list[int], step: str, period: float) -> None:
         deadline = time.monotonic() + self.timeout
         seen: dict[int, bytes] = {}
-        next_beat = 0.0
         beats = 0
-        delay = 0.001
-        while True:
-            if self._call(lambda: self.store.check(keys)):
-                return
+        while not self._call(lambda: waiting.arrived(period)):
             if self._call(lambda: self.store.check([self._abandoned])):
                 reason = self._call(lambda: self.store.get(self._abandoned)).decode()
                 raise CollectiveTimeoutError(f"{self.what}: given up ({reason})")
             now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + period
-                beats += 1
-                self._call(lambda beats=beats: self.beat(beats))
-                for r in ranks:
-                    key = self._alive_key(r)
-                    if not self._call(lambda key=key: self.store.check([key])):
-                        continue
-                    value = self._call(lambda key=key: self.store.get(key))
-                    if value != seen.get(r) and int(value.split()[0]) <= self._step:
-                        if r in seen:
-                            deadline = now + self.timeout
-                        seen[r] = value
+            beats += 1
+            self._call(lambda beats=beats: self.beat(beats))
+            for r in ranks:
+                key = self._alive_key(r)
+                if not self._call(lambda key=key: self.store.check([key])):
+                    continue
+                value = self._call(lambda key=key: self.store.get(key))
+                if value != seen.get(r) and int(value.split()[0]) <= self._step:
+                    if r in seen:
+                        deadline = now + self.timeout
+                    seen[r] = value
             if now > deadline:
                 missing = [r for r, k in zip(ranks, keys) if not self._call(lambda k=k: self.store.check([k]))]
                 reason = (f"process {self.rank} waited {self.timeout:g} s at step '{step}' for process(es) "
@@ -207,8 +222,6 @@ class Session:
                 self.abandon(reason)
                 raise CollectiveTimeoutError(
                     f"{self.what}: {reason}; every process must call it, with the same arguments")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     def abandon(self, reason: str) -> None:
         """Tell the other processes this operation is given up (they raise at their next wait)."""
@@ -259,7 +272,11 @@ class Session:
             _stale_keys.append(key)
             return obj
         self._wait([key], [0], step)
-        return pickle.loads(self._call(lambda: self.store.get(key)))
+        value = self._call(lambda: self.store.get(key))
+        if value == _GIVEN_UP:  # another process gave up waiting for this key and released its waiter with it
+            self._check_not_abandoned()
+            raise CollectiveTimeoutError(f"{self.what}: given up at step '{step}'")
+        return pickle.loads(value)
 
     def working(self) -> _Heartbeat:
         """A context in which this rank bumps the heartbeat, so the others keep waiting while it works."""

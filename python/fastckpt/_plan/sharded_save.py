@@ -137,7 +137,8 @@ def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], staging: Path, writer_f
     files: dict[str, Any] = {}
     for sub, state in parts.items():
         writer = writer_factory(staging / sub, durable, threads)
-        run_dcp(dcp.save, state, session, storage_writer=writer)
+        planner = writer.save_planner(sub) if hasattr(writer, "save_planner") else None  # plans cached per part
+        run_dcp(dcp.save, state, session, storage_writer=writer, planner=planner)
         files.update({f"{sub}/{name}": entry for name, entry in (getattr(writer, "files", None) or {}).items()})
     return files
 

@@ -60,11 +60,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
-from fastckpt.dcp.planner import LoadPlanner
+from fastckpt.dcp.planner import LoadPlanner, SavePlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
 
-__all__ = ["StorageWriter", "StorageReader", "LoadPlanner", "save", "load", "METADATA_FILE", "shard_file_name", "original_error"]
+__all__ = ["StorageWriter", "StorageReader", "LoadPlanner", "SavePlanner", "save", "load", "METADATA_FILE", "shard_file_name", "original_error"]
 
 
 def original_error(exc: CheckpointException) -> BaseException:

@@ -1,14 +1,20 @@
-"""``fastckpt.dcp.LoadPlanner``: DCP's default load planner, plus the dtype and shape check during planning."""
+"""fastckpt.dcp's planners: ``LoadPlanner`` (DCP's default load planner plus the dtype check during planning) and
+``SavePlanner`` (DCP's default save planner with plan caching that also notices dtype changes)."""
 
 from __future__ import annotations
 
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import SavePlan as _SavePlan
+from torch.distributed.checkpoint.planner import SavePlanner as _DCPSavePlanner
+
+from fastckpt.dcp.gc_pause import gc_paused
 from fastckpt.errors import DtypeError
 
-__all__ = ["LoadPlanner"]
+__all__ = ["LoadPlanner", "SavePlanner"]
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -31,3 +37,43 @@ class LoadPlanner(DefaultLoadPlanner):
                 raise DtypeError(f"{fqn!r} is stored as {md.properties.dtype}, the state_dict entry it loads into "
                                  f"is {dtype}; load into a {md.properties.dtype} template and cast it yourself")
         return super().create_local_plan()
+
+
+def _properties(plan: _SavePlan) -> list[Any]:
+    return [None if item.tensor_data is None else item.tensor_data.properties for item in plan.items]
+
+
+class SavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose plans are cached across saves of an unchanged state (``cache_key`` given).
+
+    DCP's plan caching (``enable_plan_caching``) keys its class-level caches by the planner's class name, so two
+    parts saved by one process (model and optimizer) would share one entry; here the key is
+    ``fastckpt.dcp:{cache_key}``. On a second save whose local plan is unchanged a rank sends an empty plan and the
+    coordinator reuses the merged global plan and metadata (no dedup, merge or validation). DCP compares names,
+    offsets, shapes and chunks of the plans, not dtypes: a rank whose tensors changed dtype sends its full plan, so
+    the metadata is rebuilt. The coordinator's merge runs with the garbage collector paused (:mod:`gc_pause`).
+
+    Only for a storage writer that does not take its folder from the plan's ``storage_data`` (a cached plan holds
+    the previous save's): :meth:`fastckpt.dcp.StorageWriter.save_planner` gives one where that is safe.
+
+    Args:
+        cache_key: the state this planner saves (``"model"``, ``"optimizer"``); None: no caching.
+    """
+
+    def __init__(self, cache_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(enable_plan_caching=cache_key is not None, **kwargs)
+        if cache_key is not None:
+            self._cached_plans_key = f"fastckpt.dcp:{cache_key}"
+
+    def create_local_plan(self) -> _SavePlan:
+        plan = super().create_local_plan()
+        if self._enable_plan_caching and not plan.usable:
+            cached = _DCPSavePlanner._cached_save_plan[self._cached_plans_key]
+            if _properties(self.plan) != _properties(cached):  # same shapes, another dtype: not the cached plan
+                self._pending_local_plan = self.plan
+                return self.plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[_SavePlan]) -> tuple[list[_SavePlan], Metadata]:
+        with gc_paused():
+            return super().create_global_plan(all_plans)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fastckpt._format.dcp_metadata import ParsedMetadata
+from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
 from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
@@ -42,6 +42,14 @@ def _set_object(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
     torch.save(value, buf)
     buf.seek(0)
     planner.load_bytes(item, buf)
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class StorageReader(_DCPStorageReader):
@@ -76,6 +84,7 @@ class StorageReader(_DCPStorageReader):
         self._checksums = checksums
         self._records: dict[str, Any] = {}
         self._parsed: ParsedMetadata | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._files: dict[str, Any] = {}
         #: the exception the last :meth:`read_metadata` raised (DCP reports it only as an AssertionError's text)
         self.metadata_error: BaseException | None = None
@@ -84,12 +93,19 @@ class StorageReader(_DCPStorageReader):
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self._parsed = None
+        self._stamp = None
         self._files = {}
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP would fall back to rank-local metadata
+        """The folder's metadata, parsed once per version of ``dcp_metadata.json`` (a second call, as ``dcp.load``
+        makes after fastckpt's own validation, reuses it while the file's inode, size and mtime are the same)."""
         self.metadata_error = None
         try:
-            self._parsed = read_dcp_metadata(self.path)
+            stamp = _stamp(self.path / METADATA_FILE)
+            if self._parsed is None or stamp is None or stamp != self._stamp:
+                self._parsed = None
+                self._parsed = read_dcp_metadata(self.path)
+                self._stamp = stamp
         except Exception as exc:
             self.metadata_error = exc
             raise

@@ -25,6 +25,7 @@ from fastckpt._io.commit import check_target, fsync_dir, write_text
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
 from fastckpt._io.staging import OwnedPath, clean_leftovers
+from fastckpt.dcp.gc_pause import gc_paused
 
 __all__ = ["StorageWriter", "shard_file_name"]
 
@@ -145,7 +146,10 @@ class StorageWriter(_DCPStorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: encode the non-tensor values, then write this rank's chunks in one parallel pass."""
         info = plan.storage_data
-        folder, file = Path(info["folder"]), info["file"]
+        # commit=False: the folder is this writer's own path on every rank (a cached plan's folder is the last
+        # save's); commit=True: the staging folder the coordinator made for this save, named in the plan
+        folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
+        file = info["file"]
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
         tensor_items = []
@@ -195,7 +199,11 @@ class StorageWriter(_DCPStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write ``dcp_metadata.json`` (and the manifest), fsync, commit in one step."""
-        folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
+        with gc_paused():  # every rank's results: millions of small objects at thousands of ranks
+            text, files = self._metadata_text(metadata, results)
+        self._finish(text, files)
+
+    def _metadata_text(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, dict]:
         chunks: dict[tuple[str, tuple[int, ...]], ChunkLocation] = {}
         objects: dict[str, Any] = {}
         files: dict[str, dict[str, Any]] = {}
@@ -211,7 +219,10 @@ class StorageWriter(_DCPStorageWriter):
                     index: MetadataIndex = r.index
                     offsets = tuple(int(o) for o in (index.offset or ()))
                     chunks[(index.fqn, offsets)] = ChunkLocation(data["file"], data["name"])
-        text = metadata_json(metadata, chunks, objects).encode("utf-8")
+        return metadata_json(metadata, chunks, objects).encode("utf-8"), files
+
+    def _finish(self, text: bytes, files: dict[str, dict[str, Any]]) -> None:
+        folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
         write_text(folder / METADATA_FILE, text, self.durable)
         files[METADATA_FILE] = {"bytes": len(text), **text_entry(text)}
         self.files = files
@@ -234,6 +245,14 @@ class StorageWriter(_DCPStorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # -- fastckpt's own --------------------------------------------------------------------------------------
+    def save_planner(self, cache_key: str) -> Any:
+        """The DCP save planner for saves through this writer: :class:`fastckpt.dcp.SavePlanner` caching its plans
+        under ``cache_key`` with ``commit=False`` (the folder is the writer's own path, not the plan's), without
+        caching with ``commit=True`` (each save's staging folder reaches the ranks through the plan)."""
+        from fastckpt.dcp.planner import SavePlanner as _FastckptSavePlanner
+
+        return _FastckptSavePlanner(cache_key=None if self.commit else cache_key)
+
     def abort(self) -> None:
         """Remove the staging folder of a save that did not finish (DCP does not tell the writer when another rank
         failed; the next ``reset`` and :func:`fastckpt.dcp.save` call this). Idempotent."""

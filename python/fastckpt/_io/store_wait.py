@@ -1,0 +1,122 @@
+"""Waiting for keys of the process group's key-value store without polling.
+
+:class:`KeyWait` blocks in ``store.wait(keys)`` and returns the moment the last key is set (no sleeps between
+checks, which on oversubscribed cores cost tens of milliseconds per step). The blocking wait runs in a thread of its
+own, on a connection of its own (``store.clone()``), so that the waiting process can meanwhile do the periodic work
+:mod:`fastckpt._io.distributed` needs (heartbeats, noticing a dead or abandoning process): a ``TCPStore`` client
+holds its connection's lock for the whole of a ``wait``, which would block every other request of the process.
+The clones are kept for the next wait (a pool per store, held weakly: it goes with the store), since opening
+a connection costs a round trip to the store's server and, now and then, seconds of the client's connect backoff.
+A store that cannot be cloned is waited on in slices from the calling thread instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["KeyWait", "is_wait_timeout"]
+
+_idle: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()  # store -> its unused clones
+_idle_lock = threading.Lock()
+
+
+def _take_connection(store: Any) -> Any:
+    """An idle clone of ``store``, or a new one; None where the store cannot be cloned."""
+    with _idle_lock:
+        try:
+            free = _idle.get(store)
+        except TypeError:  # a store that cannot be weakly referenced: no pool
+            free = None
+        if free:
+            return free.pop()
+    try:
+        return store.clone()
+    except Exception:
+        return None
+
+
+def _give_back(store: Any, connection: Any) -> None:
+    with _idle_lock:
+        try:
+            _idle.setdefault(store, []).append(connection)
+        except TypeError:
+            pass
+
+
+def is_wait_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store's ``wait`` running out of time (``DistStoreError`` of TCPStore / HashStore,
+    ``RuntimeError("Wait timeout")`` of FileStore), not a lost connection."""
+    return isinstance(exc, RuntimeError) and "wait timeout" in str(exc).lower()
+
+
+class KeyWait:
+    """Every key of ``keys`` awaited on ``store``; :meth:`arrived` says whether they all exist yet.
+
+    Args:
+        store: the process group's store (``TCPStore``, usually under a ``PrefixStore``).
+        keys: the keys to wait for.
+        timeout: seconds one blocking ``wait`` of the thread lasts before it is restarted (the caller decides
+            when to give up; a long one keeps the store's timeout warnings rare).
+    """
+
+    def __init__(self, store: Any, keys: list[str], timeout: float) -> None:
+        self._store = store
+        self._keys = keys
+        self._timeout = timedelta(seconds=timeout)
+        self._done = threading.Event()
+        self._arrived = False
+        self._error: BaseException | None = None
+        self._connection = _take_connection(store)  # None: sliced waits from the calling thread (see arrived)
+        if self._connection is not None:
+            self._start()
+
+    def _start(self) -> None:
+        self._done.clear()
+        threading.Thread(target=self._run, name="fastckpt-store-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._connection.wait(self._keys, self._timeout)
+            self._arrived = True
+            _give_back(self._store, self._connection)
+        except Exception as exc:  # a timeout is restarted by arrived(); anything else is the caller's error
+            if not is_wait_timeout(exc):
+                self._error = exc
+        finally:
+            self._done.set()
+
+    def release(self, value: bytes, seconds: float) -> None:
+        """Set every awaited key that is still missing to ``value``, so the waiting thread returns (a thread left
+        blocked in the store's C++ client aborts the process when the interpreter exits); wait at most ``seconds``
+        for it. For a caller that gave up: whoever reads those keys must recognise ``value``."""
+        for key in self._keys:
+            if not self._store.check([key]):
+                self._store.set(key, value)
+        if self._connection is not None:
+            self._done.wait(seconds)
+
+    def arrived(self, seconds: float) -> bool:
+        """Whether every key exists, waiting at most ``seconds`` for it (returns as soon as the last one is set).
+
+        Raises:
+            Exception: the store's own error when its connection failed (its server went away).
+        """
+        if self._connection is None:
+            try:
+                self._store.wait(self._keys, timedelta(seconds=seconds))
+                return True
+            except Exception as exc:
+                if is_wait_timeout(exc):
+                    return False
+                raise
+        if not self._done.wait(seconds):
+            return False
+        if self._error is not None:
+            raise self._error
+        if self._arrived:
+            return True
+        self._start()  # the thread's own wait ran out while the caller still waits: wait again
+        return False
