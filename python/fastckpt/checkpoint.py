@@ -24,6 +24,7 @@ from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, pr
 from fastckpt._io.folder import RETRIES, opened_files, pinned
 from fastckpt._io.integrity import verify_checkpoint
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.location import check_location
 from fastckpt._io.log import log_load
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
@@ -226,6 +227,8 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
+    check_location(output_dir, "output_dir")
+    check_location(project_dir, "project_dir")
     if async_save not in (False, True, "snapshot"):
         raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
     finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
@@ -349,6 +352,8 @@ def load_state(
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         CheckpointError: another process failed (names it and its error); nothing changed here.
     """
+    check_location(input_dir, "input_dir")
+    check_location(project_dir, "project_dir")
     if model is None:
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
     _check_common(threads)

@@ -46,6 +46,7 @@ from fastckpt._io.layout import (
     random_states_name,
     rotate_checkpoints,
 )
+from fastckpt._io.location import check_location
 from fastckpt._io.log import log_load
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
@@ -152,6 +153,8 @@ def save_state(
         >>> model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
+    check_location(output_dir, "output_dir")
+    check_location(getattr(accelerator, "project_dir", None), "project_dir")
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
@@ -333,6 +336,8 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
+    check_location(input_dir, "input_dir")
+    check_location(getattr(accelerator, "project_dir", None), "project_dir")
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",

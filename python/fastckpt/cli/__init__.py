@@ -59,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the path arguments of the subcommands (checked before a subcommand runs)
+PATH_ARGUMENTS = ("path", "src", "dst", "out")
+
+
+def _refused_location(args: argparse.Namespace) -> str | None:
+    """The message for a path argument whose URL scheme the command line does not serve, else None."""
+    from fastckpt._io.location import check_location
+
+    for name in PATH_ARGUMENTS:
+        try:
+            check_location(getattr(args, name, None), name.upper())
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the chosen subcommand, return its exit status.
 
@@ -67,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
+    refused = _refused_location(args)
+    if refused is not None:
+        print(f"fastckpt {args.command}: error: {refused}", file=sys.stderr)
+        return 2
     try:
         status = args.run(args)
         sys.stdout.flush()  # surface a closed pipe here, not in the interpreter's shutdown

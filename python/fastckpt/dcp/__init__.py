@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
+from fastckpt._io.location import check_location
 from fastckpt.dcp.planner import LoadPlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
@@ -106,6 +107,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         TypeError, DtypeError, OSError, ...: what the failing rank raised (this rank's own, or the lowest failing
         rank's); the previous checkpoint at ``path`` is intact.
     """
+    check_location(path, "path")
     writer = writer if writer is not None else StorageWriter(path, threads=threads, durable=durable, commit=commit)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
@@ -131,6 +133,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     Raises:
         HeaderError, MissingStateError, DtypeError, IntegrityError, ...: what the failing rank raised.
     """
+    check_location(path, "path")
     reader = StorageReader(path, threads=threads)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:

@@ -19,6 +19,7 @@ from fastckpt._format.dcp_metadata import ParsedMetadata
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
 from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata
+from fastckpt._io.location import check_location
 from fastckpt.errors import DtypeError, ShapeMismatchError
 
 __all__ = ["StorageReader"]
@@ -63,6 +64,7 @@ class StorageReader(_DCPStorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 0) -> None:
         super().__init__()
+        check_location(path, "path")
         self.path = Path(path)
         self.threads = threads
         self._parsed: ParsedMetadata | None = None
@@ -72,6 +74,7 @@ class StorageReader(_DCPStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
+            check_location(checkpoint_id, "checkpoint_id")
             self.path = Path(checkpoint_id)
         self._parsed = None
         self._files = {}

@@ -24,6 +24,7 @@ from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.commit import check_target, fsync_dir, write_text
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
+from fastckpt._io.location import check_location
 from fastckpt._io.staging import OwnedPath, clean_leftovers
 
 __all__ = ["StorageWriter", "shard_file_name"]
@@ -86,6 +87,7 @@ class StorageWriter(_DCPStorageWriter):
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 0, durable: bool = True,
                  commit: bool = True) -> None:
         super().__init__()
+        check_location(path, "path")
         self.path = Path(path)
         self.threads = threads
         self.durable = durable
@@ -107,6 +109,7 @@ class StorageWriter(_DCPStorageWriter):
     # -- DCP's protocol --------------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
+            check_location(checkpoint_id, "checkpoint_id")
             self.path = Path(checkpoint_id)
         self.abort()
         self.files = {}
