@@ -30,6 +30,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CheckpointChangedError",
     "ConcurrentModificationError",
+    "ConcurrentSaveError",
 ]
 
 
@@ -110,3 +111,9 @@ class ConcurrentModificationError(CheckpointError, RuntimeError):
     previous checkpoint stays. The message names the tensor; call ``wait()`` on the handle before such changes,
     or pass ``async_save="snapshot"`` to copy the whole state at the call.
     """
+
+
+class ConcurrentSaveError(CheckpointError, FileExistsError):
+    """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
+    conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
+    were removed. The message names the manifest object."""
