@@ -93,8 +93,9 @@ def s3_endpoint():
 @pytest.fixture
 def s3_url(s3_endpoint, request) -> str:
     """A fresh ``s3://fastckpt-test/<test name>-<uuid>`` prefix on the session's server."""
+    import re
     import uuid
 
     from helpers.s3_server import BUCKET
 
-    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}-{uuid.uuid4().hex[:6]}"
+    return f"s3://{BUCKET}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', request.node.name).strip('-')}-{uuid.uuid4().hex[:6]}"

@@ -264,4 +264,5 @@ def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects:
     report = check_checkpoint(folder, only=bad)
     lines = [f"{store.url(f'{base}/{n}')}: crc32c {_crc_hex(crcs[n])} read, {objects[n]['crc32c']} recorded"
              for n in bad]
-    raise IntegrityError("; ".join(lines) + (f" ({report.message()})" if not report.ok else ""))
+    detail = report.message().replace(f"{folder}/", store.url(base) + "/").replace(str(folder), store.url(base))
+    raise IntegrityError("; ".join(lines) + (f" ({detail})" if not report.ok else ""))

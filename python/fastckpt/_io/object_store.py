@@ -26,6 +26,9 @@ __all__ = ["OBJECT_SCHEMES", "ObjectUrl", "parse_url", "open_store", "remote_url
 #: URL schemes served by this backend
 OBJECT_SCHEMES = ("s3",)
 
+#: characters AWS and GCS advise against in object keys (object_store stores them percent-encoded)
+_AVOIDED = set('\\{^}%`]">[~<#|*?')
+
 _stores: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 _lock = threading.Lock()
 
@@ -67,6 +70,10 @@ def parse_url(url: Any, what: str) -> ObjectUrl:
                          f"(e.g. s3://{bucket}/run/ckpt)")
     if any(part in ("", ".", "..") for part in prefix.split("/")):
         raise ValueError(f"{what}={text!r}: empty, '.' or '..' segments are not allowed in the key prefix")
+    bad = sorted({c for c in prefix if c in _AVOIDED or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        raise ValueError(f"{what}={text!r}: the key prefix holds {''.join(bad)!r}, characters S3 and GCS advise "
+                         "against in keys (they would be stored percent-encoded); use letters, digits and -_.=+!'()@:")
     return ObjectUrl(bucket, prefix)
 
 
