@@ -4,6 +4,7 @@ connections) and can hold chosen requests on an event (for kill and race tests, 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import os
@@ -79,15 +80,18 @@ def pending_uploads(prefix: str) -> list[str]:
 class Faults:
     """What the proxy does: the first ``count`` requests matching ``match`` get ``kind`` (``"503"``: a SlowDown
     response; ``"drop"``: the connection closed without a response); ``count=None`` faults every one.
-    ``hold(request_line)``, when set, is called before a request is forwarded (it may block on an event)."""
+    ``hold(method, path)``, when set, is called before a request is forwarded (it may block on an event); requests
+    that ``serialize`` matches are forwarded one at a time (moto's conditional writes are not atomic, S3's are)."""
 
     kind: str = "none"
     count: int | None = 0
     match: Callable[[str, str], bool] = lambda method, path: method in ("PUT", "POST")
     hold: Callable[[str, str], None] | None = None
+    serialize: Callable[[str, str], bool] = lambda method, path: False
     injected: int = 0
     seen: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    forward_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -127,9 +131,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "proxy-connection")}
-        upstream.request(self.command, self.path, body=body, headers=headers)
-        reply = upstream.getresponse()
-        data = reply.read()
+        serial = faults.forward_lock if faults.serialize(self.command, self.path) else contextlib.nullcontext()
+        with serial:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            reply = upstream.getresponse()
+            data = reply.read()
         self.send_response(reply.status, reply.reason)
         for k, v in reply.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -146,6 +152,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _ProxyServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address) -> None:  # a client that was killed or gave up: quiet
+        pass
 
     def __init__(self, upstream_port: int) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
