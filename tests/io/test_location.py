@@ -95,8 +95,8 @@ def test_unsupported_url_is_refused_before_anything_is_written(entry, scheme, em
     assert _created(empty_cwd) == []
 
 
-@pytest.mark.parametrize("scheme", sorted(URLS))
-@pytest.mark.parametrize("command", sorted(CLI))
+@pytest.mark.parametrize(("command", "scheme"), [(c, s) for c in sorted(CLI) for s in sorted(URLS)
+                                                 if not (c in ("verify", "inspect") and s.lower() == "s3")])
 def test_cli_refuses_unsupported_urls_with_usage_status(command, scheme, empty_cwd, capsys):
     url = URLS[scheme]
     assert main(CLI[command](url)) == 2

@@ -185,6 +185,22 @@ def test_verify_reads_every_object(committed):
     assert report.ok and set(report.files) == set(_objects(committed[0]))
 
 
+def test_cli_verify_and_inspect_read_s3_checkpoints(committed, capsys):
+    from fastckpt.cli import main
+
+    url = committed[0]
+    assert main(["verify", url]) == 0
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr()
+    assert "every object matches its manifest" in out.err and "fc1.weight" in out.out
+    key = _objects(url)["model.safetensors"]
+    _put(key, _get(key)[:-1] + bytes([_get(key)[-1] ^ 1]))
+    assert main(["verify", url]) == 1
+    assert f"s3://{BUCKET}/{key}: crc32c" in capsys.readouterr().err
+    assert main(["verify", url + "-nothing-here"]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+
+
 def test_bad_storage_options_are_value_errors(s3_url):
     model = make_training_state(0)[0]
     with pytest.raises(ValueError, match='"no_such_key" is not an S3 setting'):
