@@ -201,6 +201,17 @@ def save_state(
             (see :mod:`fastckpt._io.sharing`).
         timeout: sharded (DTensor / FSDP2) saves: seconds each process waits for the others at each step before
             raising :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died or never called save_state).
+        storage_options: for ``s3://`` locations: S3 settings over the ``AWS_*`` environment (``endpoint_url``,
+            ``region``, ``access_key_id``, ``secret_access_key``, ``session_token``, ``allow_http``, ...; object_store's
+            keys) and the transfer: ``part_size`` (bytes, default 16 MiB), ``concurrency`` (requests in flight,
+            default 16), ``max_retries`` (default 10), ``retry_timeout`` (seconds, default 180), ``retry_backoff``
+            (first backoff in seconds, default 0.1, doubling up to 15 s).
+
+    Object storage: ``output_dir="s3://bucket/prefix"`` (or ``project_dir="s3://bucket/run"`` for automatic naming
+    and ``total_limit`` rotation) writes the checkpoint in a private local folder, uploads every file under a new
+    save-id prefix (parallel multipart uploads, crc32c checked against the writer's) and commits by creating
+    ``prefix/manifests/{n}.json`` last with a conditional put; older saves' objects are deleted only after that (see
+    :mod:`fastckpt._io.object_commit`). Not with ``async_save``, ``share_unchanged`` or sharded models yet.
 
     Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
     arguments; the shards are written through torch.distributed.checkpoint into the checkpoint's staging folder
@@ -209,7 +220,7 @@ def save_state(
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
-        ``wait()`` returns it once committed.
+        ``wait()`` returns it once committed; for ``s3://``, the checkpoint's URL (a ``str``).
 
     Raises:
         DtypeError: a tensor dtype the format cannot store (names the tensor).
@@ -217,7 +228,11 @@ def save_state(
         ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``;
             ``dtype`` without ``model_only`` or not a floating dtype.
         FrozenWeightsError: never on save (see :func:`load_state`).
-        OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
+        OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact. For
+            ``s3://``: the store failed after the bounded retries (names the object); nothing is committed.
+        ConcurrentSaveError: (``s3://``) another save committed the same checkpoint first; its state is the one there.
+        ValueError: a URL of a scheme fastckpt does not serve (``gs://``, ``hf://``, ``file://``...), before
+            anything is written; a bad ``storage_options`` key or value.
         CollectiveTimeoutError: (sharded) another process did not take part within ``timeout`` (names it and the
             step); CheckpointError: (sharded) another process failed (names it); the previous checkpoint is intact.
         Exception: an earlier async save failed and its exception was not yet raised by ``wait()``: it is
@@ -345,6 +360,10 @@ def load_state(
     arguments, and a failure on any process raises on every process before anything changes.
         cast: model weights stored in another dtype (an fp32 checkpoint into a bf16 / fp16 model) are cast to the
             live parameter's dtype, as torch's ``load_state_dict`` does; default False refuses them (DtypeError).
+        storage_options: for an ``s3://`` ``input_dir`` / ``project_dir``: see :func:`save_state`. The newest
+            committed manifest is read, every object it lists is checked to exist with its recorded size (an object
+            it does not list is refused), downloaded by ranged parallel reads and checked by crc32c (IntegrityError
+            naming the object and tensor), then loaded as a local folder.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
