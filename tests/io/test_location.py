@@ -30,7 +30,8 @@ URLS = {
 
 #: entry points that serve s3:// (tests/io/test_object_store.py); the others still refuse it
 S3_SERVED = {"save_state output_dir", "save_state project_dir", "load_state input_dir", "load_state project_dir",
-             "latest_checkpoint", "verify_checkpoint"}
+             "latest_checkpoint", "verify_checkpoint", "dcp.save", "dcp.load", "dcp.StorageWriter",
+             "dcp.StorageWriter.reset", "dcp.StorageReader", "dcp.StorageReader.reset"}
 
 
 def _model() -> torch.nn.Module:

@@ -36,8 +36,8 @@ from fastckpt._io.layout import MANIFEST
 from fastckpt._io.object_store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
 
-__all__ = ["MANIFESTS", "FORMAT", "save_object_checkpoint", "fetched_checkpoint", "committed_manifest",
-           "delete_checkpoint", "MARKER"]
+__all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "new_save", "upload_objects", "commit_save",
+           "fetched_checkpoint", "committed_manifest", "delete_checkpoint"]
 
 MANIFESTS = "manifests"
 FORMAT = "fastckpt-object/1"
@@ -98,6 +98,66 @@ def _local_files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def new_save(store: Any, url: ObjectUrl) -> tuple[int, str]:
+    """``(number, save_id)`` for a new save of the checkpoint at ``url``: one above the newest committed manifest,
+    and a fresh ``save-{number}-{random}`` prefix for its objects."""
+    numbers = manifest_numbers(store, url)
+    number = numbers[-1] + 1 if numbers else 0
+    return number, f"save-{number:010d}-{uuid.uuid4().hex[:8]}"
+
+
+def commit_save(store: Any, url: ObjectUrl, number: int, save_id: str, objects: dict[str, Any],
+                local_manifest: dict[str, Any]) -> None:
+    """Commit save ``save_id`` (its ``objects`` already uploaded): create ``manifests/{number}.json`` with a
+    conditional put, then remove what it supersedes (:func:`collect_garbage`).
+
+    Raises:
+        ConcurrentSaveError: another save committed that manifest first (this save's objects are removed).
+        OSError: the store failed (this save's objects are removed; nothing is committed).
+    """
+    body = json.dumps({"format": FORMAT, "save_id": save_id, "number": number, "objects": objects,
+                       "manifest": local_manifest}, indent=1, sort_keys=True).encode()
+    key = f"{url.prefix}/{MANIFESTS}/{number:010d}.json"
+    try:
+        store.put(key, body, create_only=True)
+    except FileExistsError:
+        theirs = store.get(key)
+        if theirs is None or json.loads(theirs).get("save_id") != save_id:  # not our own retried put
+            _remove_quietly(store, url, save_id)
+            raise ConcurrentSaveError(f"{store.url(key)}: another save committed {url} first (manifest {number}); "
+                                      "this save's objects were removed and the other save's state is the "
+                                      "committed one") from None
+    except BaseException as exc:
+        try:  # the put may have landed before the connection failed: the store says whether it is ours
+            theirs = store.get(key)
+        except Exception:  # unknown: leave our objects (a committed manifest may name them); the next save tidies up
+            raise exc from None
+        if theirs is None or json.loads(theirs).get("save_id") != save_id:
+            _remove_quietly(store, url, save_id)
+            raise
+    collect_garbage(store, url, number, save_id)
+
+
+def upload_objects(store: Any, url: ObjectUrl, save_id: str, folder: Path, names: list[str],
+                   local_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Upload ``folder/name`` for each of ``names`` to ``{url}/{save_id}/name``; ``{name: {bytes, crc32c}}``.
+
+    Raises:
+        IntegrityError: an uploaded file's size or crc32c is not what ``local_manifest`` records for it.
+        OSError: the store failed after the bounded retries (names the object); this save's objects are removed.
+    """
+    keys = [f"{url.prefix}/{save_id}/{name}" for name in names]
+    try:
+        uploaded = store.upload_files([(str(folder / name), key) for name, key in zip(names, keys)])
+    except BaseException:
+        _remove_quietly(store, url, save_id)
+        raise
+    objects = {name: {"bytes": size, "crc32c": _crc_hex(crc)} for name, (size, crc) in zip(names, uploaded)}
+    if local_manifest is not None:
+        _check_against_writer(store, keys, names, objects, local_manifest)
+    return objects
+
+
 def save_object_checkpoint(store: Any, url: ObjectUrl, write: Callable[[Path], None]) -> None:
     """Save the checkpoint that ``write(local_folder)`` writes to ``url``, committed by its manifest object.
 
@@ -112,34 +172,9 @@ def save_object_checkpoint(store: Any, url: ObjectUrl, write: Callable[[Path], N
         folder = Path(tmp) / "checkpoint"
         write(folder)
         local_manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        numbers = manifest_numbers(store, url)
-        number = numbers[-1] + 1 if numbers else 0
-        save_id = f"save-{number:010d}-{uuid.uuid4().hex[:8]}"
-        names = _local_files(folder)
-        keys = [f"{url.prefix}/{save_id}/{name}" for name in names]
-        try:
-            uploaded = store.upload_files([(str(folder / name), key) for name, key in zip(names, keys)])
-        except BaseException:
-            _remove_quietly(store, url, save_id)
-            raise
-        objects = {name: {"bytes": size, "crc32c": _crc_hex(crc)} for name, (size, crc) in zip(names, uploaded)}
-        _check_against_writer(store, keys, names, objects, local_manifest)
-        body = json.dumps({"format": FORMAT, "save_id": save_id, "number": number, "objects": objects,
-                           "manifest": local_manifest}, indent=1, sort_keys=True).encode()
-        key = f"{url.prefix}/{MANIFESTS}/{number:010d}.json"
-        try:
-            store.put(key, body, create_only=True)
-        except FileExistsError:
-            theirs = store.get(key)
-            if theirs is None or json.loads(theirs).get("save_id") != save_id:  # not our own retried put
-                _remove_quietly(store, url, save_id)
-                raise ConcurrentSaveError(f"{store.url(key)}: another save committed {url} first (manifest {number}); "
-                                          "this save's objects were removed and the other save's state is the "
-                                          "committed one") from None
-        except BaseException:
-            _remove_quietly(store, url, save_id)
-            raise
-    collect_garbage(store, url, number, save_id)
+        number, save_id = new_save(store, url)
+        objects = upload_objects(store, url, save_id, folder, _local_files(folder), local_manifest)
+    commit_save(store, url, number, save_id, objects, local_manifest)
 
 
 def _check_against_writer(store: Any, keys: list[str], names: list[str], objects: dict[str, Any],
