@@ -201,6 +201,23 @@ def test_cli_verify_and_inspect_read_s3_checkpoints(committed, capsys):
     assert "no committed checkpoint" in capsys.readouterr().err
 
 
+def test_consolidate_an_s3_dcp_checkpoint_into_a_local_model_folder(s3_url, tmp_path):
+    from helpers.dcp_state import full_state
+
+    import fastckpt.dcp
+    from fastckpt.cli import main
+
+    state = {k: v for k, v in full_state().items() if isinstance(v, torch.Tensor)}
+    fastckpt.dcp.save(state, s3_url)
+    fastckpt.dcp.save(state, tmp_path / "local")
+    assert main(["consolidate", s3_url, str(tmp_path / "from_s3")]) == 0
+    assert main(["consolidate", str(tmp_path / "local"), str(tmp_path / "from_local")]) == 0
+    names = sorted(p.name for p in (tmp_path / "from_local").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "from_s3").iterdir())
+    for name in names:
+        assert (tmp_path / "from_s3" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+
+
 def test_bad_storage_options_are_value_errors(s3_url):
     model = make_training_state(0)[0]
     with pytest.raises(ValueError, match='"no_such_key" is not an S3 setting'):

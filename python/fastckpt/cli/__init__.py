@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: the path arguments of the subcommands (checked before a subcommand runs)
 PATH_ARGUMENTS = ("path", "src", "dst", "out")
-#: subcommands that also read an ``s3://`` checkpoint (fetched and checked against its manifest first)
-REMOTE_COMMANDS = ("verify", "inspect")
+#: subcommands that also read an ``s3://`` checkpoint (fetched and checked against its manifest first): the argument
+REMOTE_COMMANDS = {"verify": "path", "inspect": "path", "consolidate": "src", "convert": "src"}
 
 
 def _refused_location(args: argparse.Namespace) -> str | None:
@@ -71,7 +71,7 @@ def _refused_location(args: argparse.Namespace) -> str | None:
     from fastckpt._io.object_store import OBJECT_SCHEMES
 
     for name in PATH_ARGUMENTS:
-        served = OBJECT_SCHEMES if args.command in REMOTE_COMMANDS and name == "path" else ()
+        served = OBJECT_SCHEMES if REMOTE_COMMANDS.get(args.command) == name else ()
         try:
             check_location(getattr(args, name, None), name.upper(), supported=served)
         except ValueError as exc:
@@ -80,20 +80,21 @@ def _refused_location(args: argparse.Namespace) -> str | None:
 
 
 def _run_remote(args: argparse.Namespace) -> int | None:
-    """Run ``verify`` / ``inspect`` of an ``s3://`` checkpoint on a local copy (every object's size and crc32c
-    checked against the manifest while downloaded); None when ``args.path`` is local."""
+    """Run a :data:`REMOTE_COMMANDS` subcommand on a local copy of an ``s3://`` checkpoint (every object's size and
+    crc32c checked against the manifest while downloaded); None when its argument is local."""
     from fastckpt._io.object_api import fetched
     from fastckpt._io.object_store import remote_url
     from fastckpt.errors import CheckpointError
 
-    url = remote_url(getattr(args, "path", None), "PATH") if args.command in REMOTE_COMMANDS else None
+    name = REMOTE_COMMANDS.get(args.command)
+    url = remote_url(getattr(args, name), name.upper()) if name is not None else None
     if url is None:
         return None
     try:
         with fetched(url, None, model_only=False, storage_options=None) as local:
             print(f"{url}: every object matches its manifest (sizes, crc32c); reading the copy at {local}",
                   file=sys.stderr)
-            args.path = str(local)
+            setattr(args, name, str(local))
             return args.run(args)
     except CheckpointError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
