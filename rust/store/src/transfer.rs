@@ -258,3 +258,29 @@ impl Store {
         Ok(crc_of(pieces))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_cover_the_object_once_in_part_sized_pieces() {
+        assert_eq!(ranges(0, 5), std::iter::once(0..0).collect::<Vec<_>>());
+        assert_eq!(ranges(5, 5), std::iter::once(0..5).collect::<Vec<_>>());
+        assert_eq!(ranges(11, 5), vec![0..5, 5..10, 10..11]);
+    }
+
+    #[test]
+    fn folded_part_crcs_equal_the_whole_objects_crc() {
+        let data: Vec<u8> = (0..100_003u32).map(|i| (i * 2_654_435_761) as u8).collect();
+        let pieces = ranges(data.len() as u64, 4096)
+            .into_iter()
+            .map(|r| PieceCrc {
+                tensor: None,
+                crc: crc32c_append(0, &data[r.start as usize..r.end as usize]),
+                len: r.end - r.start,
+            })
+            .collect();
+        assert_eq!(crc_of(pieces), crc32c_append(0, &data));
+    }
+}
