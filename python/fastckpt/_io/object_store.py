@@ -29,7 +29,7 @@ OBJECT_SCHEMES = ("s3",)
 #: characters AWS and GCS advise against in object keys (object_store stores them percent-encoded)
 _AVOIDED = set('\\{^}%`]">[~<#|*?')
 
-_stores: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+_stores: dict[tuple[int, str, tuple[tuple[str, str], ...]], Any] = {}
 _lock = threading.Lock()
 
 
@@ -90,13 +90,14 @@ def remote_url(path: Any, what: str) -> ObjectUrl | None:
 
 
 def open_store(bucket: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The bucket's ``_core.ObjectStore`` for these options (built once, then reused).
+    """The bucket's ``_core.ObjectStore`` for these options (built once per process, then reused: a forked child
+    builds its own, as the parent's runtime threads do not exist there).
 
     Raises:
         ValueError: an unknown ``storage_options`` key or a bad value (named).
     """
     options = tuple(sorted((str(k), str(v)) for k, v in (storage_options or {}).items()))
-    key = (bucket, options)
+    key = (os.getpid(), bucket, options)
     with _lock:
         store = _stores.get(key)
         if store is None:
