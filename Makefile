@@ -22,8 +22,9 @@ demo: install  ## install, then run `fastckpt demo` (GPT-2 small: train, save, r
 install-test: $(PY)  ## install fastckpt with the test dependencies into $(VENV)
 	$(PIP) install -q $(CONSTRAINTS) ".[test]"
 
-rust-test:  ## cargo tests of the Rust core
+rust-test:  ## cargo tests of the Rust core and the object-store crate
 	cargo test -p fastckpt-core --release
+	cargo test -p fastckpt-store --release
 
 py-test:  ## pytest suite (expects `make install-test` first)
 	$(PY) -m pytest

@@ -80,3 +80,22 @@ def held_writer(monkeypatch):
         async_writer.default_saver().wait_all()
     except CheckpointError:
         pass
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on a free localhost port for the session, AWS_* pointed at it (tests/helpers/s3_server.py)."""
+    from helpers.s3_server import moto_server
+
+    yield from moto_server()
+
+
+@pytest.fixture
+def s3_url(s3_endpoint, request) -> str:
+    """A fresh ``s3://fastckpt-test/<test name>-<uuid>`` prefix on the session's server."""
+    import re
+    import uuid
+
+    from helpers.s3_server import BUCKET
+
+    return f"s3://{BUCKET}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', request.node.name).strip('-')}-{uuid.uuid4().hex[:6]}"

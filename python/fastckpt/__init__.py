@@ -7,17 +7,17 @@ a ``model_only`` switch on both sides; ``fastckpt.torch`` is a drop-in ``safeten
 from __future__ import annotations
 
 from fastckpt._io.async_writer import AsyncSave, release_buffers
-from fastckpt._io.integrity import VerifyReport, check_checkpoint, verify_checkpoint
-from fastckpt._io.layout import latest_checkpoint
+from fastckpt._io.integrity import VerifyReport, check_checkpoint
 from fastckpt._state.rng import RngRestoreWarning
 from fastckpt._version import __version__
-from fastckpt.checkpoint import LoadResult, load_state, save_state
+from fastckpt.checkpoint import LoadResult, latest_checkpoint, load_state, save_state, verify_checkpoint
 from fastckpt.errors import (
     CheckpointChangedError,
     CheckpointError,
     ClosedFileError,
     CollectiveTimeoutError,
     ConcurrentModificationError,
+    ConcurrentSaveError,
     DtypeError,
     FrozenWeightsError,
     HeaderError,
@@ -80,6 +80,7 @@ __all__ = [
     "CheckpointChangedError",
     "ConcurrentModificationError",
     "SaveCancelledError",
+    "ConcurrentSaveError",
     "release_buffers",
     "__version__",
 ]

@@ -8,6 +8,7 @@ Errors: ``HeaderError``, ``TruncatedFileError``, ``DtypeError``, ``KeyMismatchEr
 Source buffers are read with the GIL released: do not resize or write to them while a call runs.
 """
 
+import builtins
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -16,7 +17,7 @@ from typing import TypeAlias, final
 from typing_extensions import Buffer
 
 __all__ = [
-    "MAX_DCP_METADATA_BYTES", "MAX_DCP_RANK", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES",
+    "MAX_DCP_METADATA_BYTES", "MAX_DCP_RANK", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES", "ObjectStore",
     "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors",
     "parse_header", "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
 ]
@@ -322,3 +323,27 @@ class SafetensorsFile:
     if sys.version_info >= (3, 12):
         def __buffer__(self, flags: int, /) -> memoryview: ...
         def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+@final
+class ObjectStore:
+    """One bucket of an S3 API store (Rust: object_store + tokio), configured by the ``AWS_*`` environment and
+    ``options`` (object_store's S3 keys, plus ``part_size``, ``concurrency``, ``max_retries``, ``retry_timeout``,
+    ``retry_backoff``). Every request runs with the GIL released; failures after the bounded retries raise
+    ``OSError`` naming the object (``FileNotFoundError`` for a missing one, ``FileExistsError`` when a
+    ``create_only`` put lost, ``IntegrityError`` for bytes of another size, ``ValueError`` for a bad option)."""
+
+    def __new__(cls, bucket: str, options: Sequence[tuple[str, str]] = ...) -> ObjectStore: ...
+    @property
+    def transfer(self) -> tuple[int, int]:
+        """``(part_size in bytes, concurrency)``."""
+    def url(self, key: str) -> str: ...
+    def get(self, key: str) -> bytes | None: ...
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None: ...
+    def list(self, prefix: str) -> builtins.list[tuple[str, int]]: ...
+    def list_dirs(self, prefix: str) -> builtins.list[str]: ...
+    def delete(self, keys: Sequence[str]) -> None: ...
+    def abort_upload(self, key: str, upload_id: str) -> None: ...
+    def upload_files(self, jobs: Sequence[tuple[_StrPath, str]]) -> builtins.list[tuple[int, int]]:
+        """Upload each ``(local file, key)`` (parallel multipart parts); ``[(size, crc32c)]`` in order."""
+    def download_files(self, jobs: Sequence[tuple[str, _StrPath, int]]) -> builtins.list[int]:
+        """Download each ``(key, local file, size)`` by ranged parallel reads; ``[crc32c]`` in order."""

@@ -13,7 +13,7 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -22,8 +22,12 @@ from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_fo
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed, process_rank
 from fastckpt._io.folder import RETRIES, opened_files, pinned
+from fastckpt._io.integrity import VerifyReport
+from fastckpt._io.integrity import verify_checkpoint as _verify_local
+from fastckpt._io.layout import latest_checkpoint as _latest_local
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
 from fastckpt._io.log import log_load
+from fastckpt._io.object_api import fetched, latest_remote, remote_target, save_remote
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
@@ -32,7 +36,7 @@ from fastckpt._plan.sharded_save import save_sharded
 from fastckpt._state.sharded import is_sharded
 from fastckpt.errors import CheckpointChangedError
 
-__all__ = ["save_state", "load_state", "LoadResult"]
+__all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
 
 
 class _Keys(NamedTuple):
@@ -135,7 +139,8 @@ def save_state(
     share_unchanged: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
     host_memory_budget: int | str | None = None,
-) -> Path | AsyncSave:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | AsyncSave | str:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
     Mirrors ``accelerate.Accelerator.save_state``'s layout and file names without pickle; see
@@ -204,6 +209,17 @@ def save_state(
             (see :mod:`fastckpt._io.sharing`).
         timeout: sharded (DTensor / FSDP2) saves: seconds each process waits for the others at each step before
             raising :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died or never called save_state).
+        storage_options: for ``s3://`` locations: S3 settings over the ``AWS_*`` environment (``endpoint_url``,
+            ``region``, ``access_key_id``, ``secret_access_key``, ``session_token``, ``allow_http``, ...; object_store's
+            keys) and the transfer: ``part_size`` (bytes, default 16 MiB), ``concurrency`` (requests in flight,
+            default 16), ``max_retries`` (default 10), ``retry_timeout`` (seconds, default 180), ``retry_backoff``
+            (first backoff in seconds, default 0.1, doubling up to 15 s).
+
+    Object storage: ``output_dir="s3://bucket/prefix"`` (or ``project_dir="s3://bucket/run"`` for automatic naming
+    and ``total_limit`` rotation) writes the checkpoint in a private local folder, uploads every file under a new
+    save-id prefix (parallel multipart uploads, crc32c checked against the writer's) and commits by creating
+    ``prefix/manifests/{n}.json`` last with a conditional put; older saves' objects are deleted only after that (see
+    :mod:`fastckpt._io.object_commit`). Not with ``async_save``, ``share_unchanged`` or sharded models yet.
 
     Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
     arguments; the shards are written through torch.distributed.checkpoint into the checkpoint's staging folder
@@ -212,7 +228,7 @@ def save_state(
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
-        ``wait()`` returns it once committed.
+        ``wait()`` returns it once committed; for ``s3://``, the checkpoint's URL (a ``str``).
 
     Raises:
         DtypeError: a tensor dtype the format cannot store (names the tensor).
@@ -220,7 +236,11 @@ def save_state(
         ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``;
             ``dtype`` without ``model_only`` or not a floating dtype.
         FrozenWeightsError: never on save (see :func:`load_state`).
-        OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
+        OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact. For
+            ``s3://``: the store failed after the bounded retries (names the object); nothing is committed.
+        ConcurrentSaveError: (``s3://``) another save committed the same checkpoint first; its state is the one there.
+        ValueError: a URL of a scheme fastckpt does not serve (``gs://``, ``hf://``, ``file://``...), before
+            anything is written; a bad ``storage_options`` key or value.
         CollectiveTimeoutError: (sharded) another process did not take part within ``timeout`` (names it and the
             step); CheckpointError: (sharded) another process failed (names it); the previous checkpoint is intact.
         Exception: an earlier async save failed and its exception was not yet raised by ``wait()``: it is
@@ -233,6 +253,20 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
+    remote, project = remote_target(output_dir, project_dir, "output_dir")
+    if remote is not None or project is not None:
+        if async_save or share_unchanged or is_sharded(_as_list(model, "model")):
+            raise ValueError("async_save, share_unchanged and sharded (DTensor / FSDP2) models are not supported "
+                             "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
+        _check_save_args(model, threads, step, total_limit)
+
+        def write(folder: Path) -> None:
+            save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
+                       threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
+                       trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
+
+        return save_remote(remote, project, write, model_only=model_only, total_limit=total_limit,
+                           storage_options=storage_options)
     check_mode(async_save)
     finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)
@@ -297,6 +331,7 @@ def load_state(
     verify: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     cast: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
     """Restore a state saved by :func:`save_state` (or by stock ``Accelerator.save_state``): validate, then apply.
 
@@ -334,6 +369,10 @@ def load_state(
     arguments, and a failure on any process raises on every process before anything changes.
         cast: model weights stored in another dtype (an fp32 checkpoint into a bf16 / fp16 model) are cast to the
             live parameter's dtype, as torch's ``load_state_dict`` does; default False refuses them (DtypeError).
+        storage_options: for an ``s3://`` ``input_dir`` / ``project_dir``: see :func:`save_state`. The newest
+            committed manifest is read, every object it lists is checked to exist with its recorded size (an object
+            it does not list is refused), downloaded by ranged parallel reads and checked by crc32c (IntegrityError
+            naming the object and tensor), then loaded as a local folder.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -358,6 +397,14 @@ def load_state(
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         CheckpointError: another process failed (names it and its error); nothing changed here.
     """
+    remote, project = remote_target(input_dir, project_dir, "input_dir")
+    if remote is not None or project is not None:
+        if is_sharded(_as_list(model, "model")):
+            raise ValueError("sharded (DTensor / FSDP2) models do not load from s3:// yet; load into the plain model")
+        with fetched(remote, project, model_only=model_only, storage_options=storage_options) as folder:
+            return load_state(model, optimizer, scheduler, input_dir=folder, model_only=model_only, strict=strict,
+                              map_location=map_location, threads=threads, trust_pickle=trust_pickle, verify=verify,
+                              timeout=timeout, cast=cast)
     if model is None:
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
     _check_common(threads)
@@ -391,6 +438,48 @@ def load_state(
     plan.apply(threads=threads)
     log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
+
+
+def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None, *, model_only: bool = False,
+                      storage_options: Mapping[str, Any] | None = None) -> Path | str | None:
+    """The newest committed checkpoint (largest number, numeric order), or None.
+
+    ``project_dir`` defaults to the current directory; an ``s3://bucket/prefix`` project gives an ``s3://`` URL
+    (only checkpoints whose manifest object is committed count). Without ``model_only``: the newest *full*
+    checkpoint in ``{project_dir}/checkpoints`` (what a full ``load_state(input_dir=None)`` resumes from); with it:
+    the newest model-only snapshot in ``{project_dir}/model_only``. Unfinished saves are never chosen; stock
+    accelerate checkpoints count.
+
+    Raises:
+        ValueError: a URL of a scheme fastckpt does not serve.
+    """
+    _, project = remote_target(None, project_dir, "project_dir")
+    if project is not None:
+        return latest_remote(project, model_only=model_only, storage_options=storage_options)
+    return _latest_local(project_dir, model_only=model_only)
+
+
+def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progress: Any = None,
+                      storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+    """Check every file of a checkpoint against the sizes and crc32c checksums its manifest records.
+
+    An ``s3://`` checkpoint is read in full: every object's size and crc32c against its manifest object, then
+    every tensor as for a local folder.
+
+    Raises:
+        IntegrityError: a file (object) is missing, has another size, or a file or tensor has another crc32c than
+            recorded; the message lists every problem with the file, the tensor and both values.
+        MissingStateError, HeaderError, OSError: no manifest, a malformed one, a file that cannot be read.
+
+    Example:
+        >>> fastckpt.verify_checkpoint("checkpoints/checkpoint_3").tensors_checked
+        42
+    """
+    remote, _ = remote_target(folder, None, "folder")
+    if remote is not None:
+        with fetched(remote, None, model_only=False, storage_options=storage_options) as local:
+            return _verify_local(local, threads=threads, progress=progress)
+    return _verify_local(folder, threads=threads, progress=progress)
 
 
 # -- sharded (DTensor / FSDP2) states: torch.distributed.checkpoint through the storage plugin --------------------

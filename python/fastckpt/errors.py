@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointChangedError",
     "ConcurrentModificationError",
     "SaveCancelledError",
+    "ConcurrentSaveError",
 ]
 
 
@@ -117,3 +118,9 @@ class ConcurrentModificationError(CheckpointError, RuntimeError):
 class SaveCancelledError(CheckpointError, InterruptedError):
     """An async save was cancelled before its commit (``AsyncSave.cancel()``, or a second Ctrl-C after one that
     interrupted ``wait()``): nothing was committed and the previous checkpoint stays."""
+
+
+class ConcurrentSaveError(CheckpointError, FileExistsError):
+    """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
+    conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
+    were removed. The message names the manifest object."""

@@ -27,6 +27,7 @@ import torch
 from fastckpt import _core
 from fastckpt._format.tensor_spec import TensorSpec, deserialize, metadata_pairs, serialize, serialize_file
 from fastckpt._format.tensors import tensor_from_buffer, tensor_sources
+from fastckpt._io.location import check_location
 from fastckpt._io.safe_open import safe_open
 from fastckpt._state.model import apply_module_load, find_aliases, plan_module_load
 
@@ -94,6 +95,7 @@ def save_file(
         fastckpt.DtypeError: a dtype the format cannot store.
         OSError: the file cannot be written; the previous file, if any, is untouched.
     """
+    check_location(filename, "filename")
     _refuse_shared(tensors)
     pairs = _metadata_pairs(metadata)
     _core.write_file(os.fspath(filename), tensor_sources(tensors), pairs, durable=durable, threads=threads)
@@ -143,6 +145,7 @@ def save_model(model: torch.nn.Module, filename: PathLike, metadata: Dict[str, s
     The name kept for a group of tied tensors is the sorted-first one covering the whole storage (safetensors'
     rule); each dropped name is recorded in the metadata as ``{dropped: kept}``.
     """
+    check_location(filename, "filename")
     del force_contiguous  # fastckpt writes non-contiguous tensors in logical order anyway
     state_dict = model.state_dict()
     metadata = dict(metadata) if metadata is not None else None
@@ -171,6 +174,7 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
     Raises:
         RuntimeError: ``strict`` and some names are missing or unexpected (as safetensors).
     """
+    check_location(filename, "filename")
     del device  # tensors land on the device of the parameter they are loaded into
     if backend not in ("mmap", "pread"):
         raise ValueError(f'backend "{backend}" is invalid (expected one of: "mmap", "pread")')

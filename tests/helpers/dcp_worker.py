@@ -10,6 +10,8 @@ MODE ``save`` (2 ranks):
      value that needs pickle, the same I/O error under raw ``dcp.save``) raise on both ranks and leave seed 1.
   D: loading ``OUT/A`` into a float64 ``w`` raises DtypeError on both ranks; nothing of the template changes; the
      same when only rank 1's template is wrong (fastckpt.dcp.LoadPlanner checks while planning).
+  S: ``fastckpt.dcp.save`` of the state sharded along dim 0 to ``$FASTCKPT_TEST_S3_URL`` (the test's moto server:
+     every rank uploads its shard, the coordinator commits the manifest object); reload on 2 ranks along dim 1.
 MODE ``load`` (any world size): ``OUT/A`` into DTensors along dim 0 and along dim 1.
 MODE ``kill`` (2 ranks): ``OUT/K`` holds seed 1; during the re-save of seed 2 rank 1 is SIGKILLed right after it
   wrote its file (torchrun then stops rank 0, which waits in DCP's gather): the test checks the folder afterwards.
@@ -139,6 +141,9 @@ def main() -> None:
             checks["C_dim0"] = reload(OUT / "C", mesh, 0)
             failures(mesh, rank)
             dtype_mismatch(mesh)
+            s3_url = os.environ["FASTCKPT_TEST_S3_URL"]
+            fastckpt.dcp.save(as_dtensors(full_state(), mesh, 0), s3_url)
+            checks["S_dim1"] = reload(s3_url, mesh, 1)
         elif MODE == "kill":
             fastckpt.dcp.save(as_dtensors(full_state(1), mesh, 0), OUT / "K")
             if rank == 1:

@@ -24,16 +24,16 @@ from fastckpt._io.staging import leftovers
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dcp_worker.py"
 
 
-def _launch(out: Path, world: int, mode: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error")
+def _launch(out: Path, world: int, mode: str, s3_url: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error", FASTCKPT_TEST_S3_URL=s3_url)
     env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), str(WORKER), str(out), mode], env=env, capture_output=True, text=True,
                           timeout=300)
 
 
-def _torchrun(out: Path, world: int, mode: str) -> list[dict]:
-    proc = _launch(out, world, mode)
+def _torchrun(out: Path, world: int, mode: str, s3_url: str = "") -> list[dict]:
+    proc = _launch(out, world, mode, s3_url)
     files = [out / f"{mode}-rank{r}.json" for r in range(world)]
     results = [json.loads(f.read_text()) for f in files if f.is_file()]
     assert proc.returncode == 0 and len(results) == world, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -42,12 +42,15 @@ def _torchrun(out: Path, world: int, mode: str) -> list[dict]:
     return results
 
 
+S3_URL = "s3://fastckpt-test/dcp-two-ranks"
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, s3_endpoint):
     if not torch.distributed.is_available():
         pytest.skip("this torch build has no torch.distributed")
     out = tmp_path_factory.mktemp("dcp")
-    saved = _torchrun(out, 2, "save")
+    saved = _torchrun(out, 2, "save", S3_URL)
     loaded = _torchrun(out, 4, "load")
     killed = _launch(out, 2, "kill")
     return out, saved, loaded, killed
@@ -73,6 +76,22 @@ def test_one_process_loads_a_two_rank_save_like_a_single_process_save(run, tmp_p
     assert mismatches(reference, from_ranks) == []
     assert same(from_ranks, from_single)
     assert from_ranks["head"] is from_ranks["emb"]  # the template's tie is untouched
+
+
+def test_two_ranks_save_to_s3_and_reload_in_another_placement_and_in_one_process(run):
+    """FSDP2-style DCP saves from every rank to s3://: each rank's shard object, the manifest object committed by
+    the coordinator; 2 ranks reload along dim 1, one process (2 -> 1) loads it bit-exact."""
+    from helpers.s3_server import keys
+
+    _, saved, _, _ = run
+    assert [r["S_dim1"] for r in saved] == [[], []]
+    names = sorted(k.split("/", 2)[2] for k in keys("dcp-two-ranks/") if "/save-" in k)
+    assert names == ["dcp_metadata.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    reference = full_state()
+    reloaded = template(reference)
+    fastckpt.dcp.load(reloaded, S3_URL)
+    assert mismatches(reference, reloaded) == []
+    assert fastckpt.verify_checkpoint(S3_URL).ok
 
 
 def test_two_rank_folder_layout(run):

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from fastckpt import _core
 from fastckpt._io.layout import MANIFEST, count_problems, listed_files, read_manifest, unlisted_files
+from fastckpt._io.location import check_location
 from fastckpt.errors import IntegrityError
 
 __all__ = ["crc_hex", "digest_entry", "text_entry", "VerifyReport", "check_checkpoint", "verify_checkpoint"]
@@ -130,6 +131,7 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, only: 
     Raises:
         MissingStateError: no manifest. HeaderError: a malformed manifest. OSError: a file cannot be read.
     """
+    check_location(folder, "folder")
     folder = folder if isinstance(folder, Path) else Path(folder)
     manifest = read_manifest(folder, check_sizes=False, check_counts=False)
     report = VerifyReport(folder)

@@ -45,6 +45,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fastckpt._io.location import check_location
 from fastckpt._version import __version__
 from fastckpt.errors import CheckpointChangedError, HeaderError, IntegrityError, MissingStateError
 
@@ -398,6 +399,7 @@ def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None, *, mode
     model-only snapshot in ``{project_dir}/model_only``. Unfinished saves are never chosen; stock accelerate
     checkpoints count (see :func:`is_committed`).
     """
+    check_location(project_dir, "project_dir")
     root = Path(project_dir if project_dir is not None else os.getcwd())
     numbers = checkpoint_numbers(root, model_only=model_only, full_only=not model_only)
     return numbers[max(numbers)] if numbers else None

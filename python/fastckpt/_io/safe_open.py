@@ -22,6 +22,7 @@ import torch
 from fastckpt import _core
 from fastckpt._format.dtypes import F4, to_torch_dtype, torch_shape
 from fastckpt._format.tensors import destination_buffer, tensor_from_buffer
+from fastckpt._io.location import check_location
 from fastckpt.errors import ClosedFileError, KeyMismatchError
 
 __all__ = ["safe_open", "BACKENDS"]
@@ -94,6 +95,7 @@ class safe_open:  # noqa: N801 - the name safetensors users import
             raise ValueError(f"fastckpt.torch.safe_open only serves torch tensors (framework='pt'), got {framework!r}")
         if backend not in BACKENDS:
             raise ValueError(f'backend "{backend}" is invalid (expected one of: "mmap", "pread")')
+        check_location(filename, "filename")
         self._path = os.fspath(filename)
         self._device = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
         self._backend = backend

@@ -53,6 +53,7 @@ from fastckpt._io.layout import (
     random_states_name,
     rotate_checkpoints,
 )
+from fastckpt._io.location import check_location
 from fastckpt._io.log import log_load
 from fastckpt._io.participation import GRACE, participants
 from fastckpt._plan.load import check_input_dir, plan_load
@@ -166,6 +167,8 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
     async saves), e.g. to rotate older checkpoints; ``every_process=True``: the caller knows every process calls
     this save (Trainer does), so the main process does not check who joins (no main-process-only save). Other
     arguments: as :func:`save_state`."""
+    check_location(output_dir, "output_dir")
+    check_location(getattr(accelerator, "project_dir", None), "project_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
     check_save_args(fsdp, compat=compat, trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
@@ -367,6 +370,8 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
+    check_location(input_dir, "input_dir")
+    check_location(getattr(accelerator, "project_dir", None), "project_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",

@@ -59,6 +59,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the path arguments of the subcommands (checked before a subcommand runs)
+PATH_ARGUMENTS = ("path", "src", "dst", "out")
+#: subcommands that also read an ``s3://`` checkpoint (fetched and checked against its manifest first): the argument
+REMOTE_COMMANDS = {"verify": "path", "inspect": "path", "consolidate": "src", "convert": "src"}
+
+
+def _refused_location(args: argparse.Namespace) -> str | None:
+    """The message for a path argument whose URL scheme the command line does not serve, else None."""
+    from fastckpt._io.location import check_location
+    from fastckpt._io.object_store import OBJECT_SCHEMES
+
+    for name in PATH_ARGUMENTS:
+        served = OBJECT_SCHEMES if REMOTE_COMMANDS.get(args.command) == name else ()
+        try:
+            check_location(getattr(args, name, None), name.upper(), supported=served)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _run_remote(args: argparse.Namespace) -> int | None:
+    """Run a :data:`REMOTE_COMMANDS` subcommand on a local copy of an ``s3://`` checkpoint (every object's size and
+    crc32c checked against the manifest while downloaded); None when its argument is local."""
+    from fastckpt._io.object_api import fetched
+    from fastckpt._io.object_store import remote_url
+    from fastckpt.errors import CheckpointError
+
+    name = REMOTE_COMMANDS.get(args.command)
+    url = remote_url(getattr(args, name), name.upper()) if name is not None else None
+    if url is None:
+        return None
+    try:
+        with fetched(url, None, model_only=False, storage_options=None) as local:
+            print(f"{url}: every object matches its manifest (sizes, crc32c); reading the copy at {local}",
+                  file=sys.stderr)
+            setattr(args, name, str(local))
+            return args.run(args)
+    except CheckpointError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, FileNotFoundError) else 1
+    except (OSError, ValueError) as exc:
+        print(f"fastckpt {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the chosen subcommand, return its exit status.
 
@@ -67,8 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
+    refused = _refused_location(args)
+    if refused is not None:
+        print(f"fastckpt {args.command}: error: {refused}", file=sys.stderr)
+        return 2
     try:
-        status = args.run(args)
+        status = _run_remote(args)
+        status = args.run(args) if status is None else status
         sys.stdout.flush()  # surface a closed pipe here, not in the interpreter's shutdown
         return status
     except BrokenPipeError:

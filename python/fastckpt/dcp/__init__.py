@@ -60,6 +60,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
+from fastckpt._io.location import check_location
+from fastckpt._io.object_store import OBJECT_SCHEMES
 from fastckpt.dcp.planner import LoadPlanner, SavePlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
@@ -88,14 +90,14 @@ def _single_process(no_dist: bool):
 
 def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, threads: int = 0,
          durable: bool = True, commit: bool = True, planner: Any = None,
-         writer: StorageWriter | None = None) -> Metadata:
+         writer: StorageWriter | None = None, storage_options: dict[str, Any] | None = None) -> Metadata:
     """``dcp.save(state_dict, storage_writer=StorageWriter(path, ...))``, raising the original error on every rank.
 
     Args:
         state_dict: DCP's state dict (tensors, DTensors, plain values, ``Stateful`` objects), same keys on every rank.
         path: the checkpoint folder (replaced atomically; see :class:`StorageWriter`).
         process_group: the ranks that save together (default: the whole world, or none without a process group).
-        threads, durable, commit: see :class:`StorageWriter`.
+        threads, durable, commit, storage_options: see :class:`StorageWriter` (``path`` may be ``s3://bucket/prefix``).
         planner: a DCP ``SavePlanner`` (default ``DefaultSavePlanner``).
         writer: a writer to use instead of a new one (to read its :attr:`StorageWriter.files` afterwards).
 
@@ -106,7 +108,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         TypeError, DtypeError, OSError, ...: what the failing rank raised (this rank's own, or the lowest failing
         rank's); the previous checkpoint at ``path`` is intact.
     """
-    writer = writer if writer is not None else StorageWriter(path, threads=threads, durable=durable, commit=commit)
+    check_location(path, "path", supported=OBJECT_SCHEMES)
+    writer = writer if writer is not None else StorageWriter(path, threads=threads, durable=durable, commit=commit,
+                                                             storage_options=storage_options)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):
@@ -121,7 +125,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, threads: int = 0,
-         planner: Any = None, verify: bool = True) -> None:
+         planner: Any = None, verify: bool = True, storage_options: dict[str, Any] | None = None) -> None:
     """``dcp.load(state_dict, storage_reader=StorageReader(path, ...))``, raising the original error on every rank.
 
     Fills ``state_dict`` in place (tensors, DTensors of any placement, plain values), resharding as needed.
@@ -134,7 +138,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     Raises:
         HeaderError, MissingStateError, DtypeError, IntegrityError, ...: what the failing rank raised.
     """
-    reader = StorageReader(path, threads=threads, verify=verify)
+    check_location(path, "path", supported=OBJECT_SCHEMES)
+    reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,9 @@ from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
 from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
+from fastckpt._io.location import check_location
+from fastckpt._io.object_commit import fetched_checkpoint
+from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.errors import DtypeError, ShapeMismatchError
 
 __all__ = ["StorageReader"]
@@ -68,17 +73,22 @@ class StorageReader(_DCPStorageReader):
     from JSON; nothing is unpickled.
 
     Args:
-        path: the folder (``dcp_metadata.json`` in it).
+        path: the folder (``dcp_metadata.json`` in it), or an ``s3://bucket/prefix`` an s3 save committed: each
+            rank then first downloads the committed checkpoint into a private local folder, every object checked
+            against the manifest object (size, crc32c), and reads from there.
         threads: reader threads (0 = min(8, cores)).
         verify: check the crc32c of every chunk read (a folder without a manifest records none: nothing to check).
         checksums: the folder's files as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``):
             given by a sharded ``load_state``, whose manifest sits one folder up; None reads ``path/fastckpt.json``.
+        storage_options: for ``s3://`` (see :func:`fastckpt.save_state`).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 0, verify: bool = True,
-                 checksums: dict[str, Any] | None = None) -> None:
+                 checksums: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.storage_options = storage_options
+        self._fetched = contextlib.ExitStack()
+        self._set_path(path, "path")
         self.threads = threads
         self.verify = verify
         self._checksums = checksums
@@ -91,20 +101,37 @@ class StorageReader(_DCPStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+            self._set_path(checkpoint_id, "checkpoint_id")
         self._parsed = None
         self._stamp = None
         self._files = {}
+
+    def _set_path(self, path: Any, what: str) -> None:
+        check_location(path, what, supported=OBJECT_SCHEMES)
+        self._fetched.close()
+        self.url = remote_url(path, what)
+        self.path = Path(path) if self.url is None else Path(str(self.url))
+        self._local: Path | None = None
+
+    def _folder(self) -> Path:
+        """The local folder to read: ``path``, or the s3 checkpoint fetched once (removed when the reader goes)."""
+        if self.url is None:
+            return self.path
+        if self._local is None:
+            store = open_store(self.url.bucket, self.storage_options)
+            self._local = self._fetched.enter_context(fetched_checkpoint(store, self.url))
+            weakref.finalize(self, self._fetched.close)
+        return self._local
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP would fall back to rank-local metadata
         """The folder's metadata, parsed once per version of ``dcp_metadata.json`` (a second call, as ``dcp.load``
         makes after fastckpt's own validation, reuses it while the file's inode, size and mtime are the same)."""
         self.metadata_error = None
         try:
-            stamp = _stamp(self.path / METADATA_FILE)
+            stamp = _stamp(self._folder() / METADATA_FILE)
             if self._parsed is None or stamp is None or stamp != self._stamp:
                 self._parsed = None
-                self._parsed = read_dcp_metadata(self.path)
+                self._parsed = read_dcp_metadata(self._folder())
                 self._stamp = stamp
         except Exception as exc:
             self.metadata_error = exc
@@ -113,8 +140,8 @@ class StorageReader(_DCPStorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._parsed is None or self._parsed.metadata is not metadata:
-            self._parsed = read_dcp_metadata(self.path)
-        self._files, self._records = open_chunk_files(self.path, self._parsed, records=self._checksums)
+            self._parsed = read_dcp_metadata(self._folder())
+        self._files, self._records = open_chunk_files(self._folder(), self._parsed, records=self._checksums)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -127,10 +154,10 @@ class StorageReader(_DCPStorageReader):
         fqn = item.storage_index.fqn
         stored = to_torch_dtype(self._parsed.dtypes[fqn], name=fqn)
         if dest.dtype != stored:
-            raise DtypeError(f"{self.path}: {fqn!r} is stored as {stored}, the state_dict entry it loads into is "
+            raise DtypeError(f"{self.url or self.path}: {fqn!r} is stored as {stored}, the state_dict entry it loads into is "
                              f"{dest.dtype}; load into a {stored} template and cast it yourself")
         if list(dest.shape) != [int(n) for n in item.lengths]:
-            raise ShapeMismatchError(f"{self.path}: {fqn!r}: a box of shape {list(item.lengths)} resolved to a "
+            raise ShapeMismatchError(f"{self.url or self.path}: {fqn!r}: a box of shape {list(item.lengths)} resolved to a "
                                      f"destination of shape {list(dest.shape)}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import uuid
 import weakref
 from pathlib import Path
@@ -24,6 +26,9 @@ from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.commit import check_target, fsync_dir, write_text
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
+from fastckpt._io.location import check_location
+from fastckpt._io.object_commit import commit_save, new_save, upload_objects
+from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt._io.staging import OwnedPath, clean_leftovers
 from fastckpt.dcp.gc_pause import gc_paused
 
@@ -75,6 +80,10 @@ class StorageWriter(_DCPStorageWriter):
         threads: writer threads per rank (0 = min(8, cores)).
         durable: fsync every file and folder (and the parent after the commit).
         commit: see ``path``.
+        storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank writes
+            its shard file in a private local folder and uploads it under the save's prefix (crc32c checked against
+            the writer's); the coordinator uploads ``dcp_metadata.json`` and commits by creating the manifest object
+            last (:mod:`fastckpt._io.object_commit`). ``commit=False`` does not apply there.
 
     Raises (inside ``dcp.save``, wrapped by DCP in its ``CheckpointException``; :func:`fastckpt.dcp.save`
     re-raises the original):
@@ -85,16 +94,18 @@ class StorageWriter(_DCPStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 0, durable: bool = True,
-                 commit: bool = True) -> None:
+                 commit: bool = True, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.storage_options = storage_options
+        self.commit = commit
+        self._set_path(path, "path")
         self.threads = threads
         self.durable = durable
-        self.commit = commit
         #: after ``finish`` on the coordinator: ``{file name: manifest entry}`` (bytes, crc32c, tensors) of every
         #: file written into the folder (``dcp_metadata.json`` included); names are relative to ``path``.
         self.files: dict[str, dict[str, Any]] = {}
         self.is_coordinator = False
+        self._remote: tuple[int, str] | None = None  # the coordinator's (manifest number, save id) of an s3 save
         self._owner: OwnedPath | None = None
         self._finalizer: Any = None
         self._save_id = ""
@@ -108,7 +119,7 @@ class StorageWriter(_DCPStorageWriter):
     # -- DCP's protocol --------------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+            self._set_path(checkpoint_id, "checkpoint_id")
         self.abort()
         self.files = {}
 
@@ -120,13 +131,27 @@ class StorageWriter(_DCPStorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         self._save_id = uuid.uuid4().hex  # DCP asks once per save, first thing
-        return StorageMeta(checkpoint_id=str(self.path), save_id=self._save_id)
+        return StorageMeta(checkpoint_id=str(self.url or self.path), save_id=self._save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
+    def _set_path(self, path: Any, what: str) -> None:
+        check_location(path, what, supported=OBJECT_SCHEMES)
+        self.url = remote_url(path, what)
+        if self.url is not None and not self.commit:
+            raise ValueError(f"{what}={path!r}: commit=False writes into a local folder an outer save stages; an "
+                             "s3:// checkpoint is committed by its own manifest (pass commit=True)")
+        self.path = Path(path) if self.url is None else Path(str(self.url))
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: create the folder every rank writes into and tell each rank its file name."""
+        n = len(plans)
+        if self.url is not None:  # object storage: every rank uploads under one new save id
+            number, save_id = self._remote = new_save(open_store(self.url.bucket, self.storage_options), self.url)
+            return [dataclasses.replace(p, storage_data={"folder": None, "save_id": save_id,
+                                                         "file": shard_file_name(i, n)})
+                    for i, p in enumerate(plans)]
         if self.commit:
             target = check_target(self.path)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -139,17 +164,19 @@ class StorageWriter(_DCPStorageWriter):
         else:
             folder = Path(os.path.abspath(self.path))
             folder.mkdir(parents=True, exist_ok=True)
-        n = len(plans)
         return [dataclasses.replace(p, storage_data={"folder": str(folder), "file": shard_file_name(i, n)})
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: encode the non-tensor values, then write this rank's chunks in one parallel pass."""
         info = plan.storage_data
-        # commit=False: the folder is this writer's own path on every rank (a cached plan's folder is the last
-        # save's); commit=True: the staging folder the coordinator made for this save, named in the plan
-        folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
         file = info["file"]
+        # s3: a private local folder, uploaded then removed; commit=False: this writer's own path on every rank (a
+        # cached plan's folder is the last save's); commit=True: the staging folder the coordinator made, in the plan
+        if info["folder"] is None:
+            folder = Path(tempfile.mkdtemp(prefix="fastckpt-s3-"))
+        else:
+            folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
         tensor_items = []
@@ -187,10 +214,17 @@ class StorageWriter(_DCPStorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": file, "name": name}))
         digest = None
-        if tensors:
-            sources = tensor_sources(tensors)
-            digest = _core.write_files_checked([(str(folder / file), sources, [("format", "pt")])],
-                                               durable=self.durable, threads=self.threads)[0]
+        try:
+            if tensors:
+                sources = tensor_sources(tensors)
+                digest = _core.write_files_checked([(str(folder / file), sources, [("format", "pt")])],
+                                                   durable=self.durable and self.url is None, threads=self.threads)[0]
+                if self.url is not None:  # upload, crc32c checked against the writer's
+                    upload_objects(open_store(self.url.bucket, self.storage_options), self.url, info["save_id"],
+                                   folder, [file], {"files": {file: {"bytes": digest[0], **digest_entry(digest)}}})
+        finally:
+            if info["folder"] is None:
+                shutil.rmtree(folder, ignore_errors=True)
         entry = None if digest is None else (file, digest)
         results = [dataclasses.replace(r, storage_data={**r.storage_data, "digest": entry}) for r in results]
         fut: Future[list[WriteResult]] = Future()
@@ -222,10 +256,13 @@ class StorageWriter(_DCPStorageWriter):
         return metadata_json(metadata, chunks, objects).encode("utf-8"), files
 
     def _finish(self, text: bytes, files: dict[str, dict[str, Any]]) -> None:
-        folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
-        write_text(folder / METADATA_FILE, text, self.durable)
         files[METADATA_FILE] = {"bytes": len(text), **text_entry(text)}
         self.files = files
+        if self.url is not None:
+            self._finish_remote(text, files)
+            return
+        folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
+        write_text(folder / METADATA_FILE, text, self.durable)
         if not self.commit:
             if self.durable:
                 fsync_dir(folder)
@@ -239,6 +276,21 @@ class StorageWriter(_DCPStorageWriter):
         target = check_target(self.path)
         _core.commit_dir(str(folder), str(target), durable=self.durable)
         self.abort()  # nothing is left at the staging path now: drops the lock file
+
+    def _finish_remote(self, text: bytes, files: dict[str, dict[str, Any]]) -> None:
+        """Coordinator of an s3 save: upload ``dcp_metadata.json``, then commit the manifest object last."""
+        assert self.url is not None and self._remote is not None
+        store = open_store(self.url.bucket, self.storage_options)
+        number, save_id = self._remote
+        with tempfile.TemporaryDirectory(prefix="fastckpt-s3-") as tmp:
+            (Path(tmp) / METADATA_FILE).write_bytes(text)
+            upload_objects(store, self.url, save_id, Path(tmp), [METADATA_FILE], {"files": files})
+        sizes = {name: entry["bytes"] for name, entry in files.items()}
+        checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
+        manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)
+        commit_save(store, self.url, number, save_id,
+                    {name: {"bytes": e["bytes"], "crc32c": e["crc32c"]} for name, e in files.items()}, manifest)
+        self._remote = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

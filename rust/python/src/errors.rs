@@ -28,6 +28,11 @@ fn raise(
     }
 }
 
+/// `fastckpt.errors.IntegrityError(message)` (bytes of another size or checksum than recorded).
+pub fn integrity_error(message: String) -> PyErr {
+    Python::attach(|py| raise(py, &INTEGRITY, "IntegrityError", message))
+}
+
 /// Turn a core error into the Python exception CORE_API.md names for it.
 pub fn to_py(err: Error) -> PyErr {
     Python::attach(|py| {

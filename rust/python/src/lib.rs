@@ -1,6 +1,7 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
-//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c), assemble (write_assembled), limits (the readers' limits).
+//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c), assemble (write_assembled), limits
+//! (the readers' limits), store (ObjectStore: s3:// buckets, over `fastckpt-store`).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod assemble;
@@ -10,6 +11,7 @@ mod integrity;
 mod limits;
 mod progress;
 mod read;
+mod store;
 mod write;
 
 use pyo3::prelude::*;
@@ -27,6 +29,8 @@ mod _core {
     use super::progress::WriteProgress;
     #[pymodule_export]
     use super::read::{parse_header, SafetensorsFile};
+    #[pymodule_export]
+    use super::store::ObjectStore;
     #[pymodule_export]
     use super::write::{hash_tensors, serialize, write_file, write_files, write_files_checked};
 

@@ -1,0 +1,95 @@
+"""What the public calls do with an ``s3://`` location: pick the checkpoint (explicit, or automatic naming under a
+project prefix), save through a local staging folder and commit remotely, or fetch and load locally.
+
+The public calls (``save_state``, ``load_state``, ``latest_checkpoint``, ``verify_checkpoint``, the CLI) hand a
+callable that does the local work on a folder; everything about the store stays in ``_io``.
+
+May import: layers 0-1 and other ``_io`` modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastckpt._io.object_commit import fetched_checkpoint, save_object_checkpoint
+from fastckpt._io.object_project import (
+    latest_object_checkpoint,
+    next_object_checkpoint,
+    object_checkpoint_numbers,
+    rotate_object_checkpoints,
+)
+from fastckpt._io.object_store import ObjectUrl, open_store, remote_url
+from fastckpt.errors import MissingStateError
+
+__all__ = ["remote_target", "save_remote", "fetched", "latest_remote"]
+
+T = TypeVar("T")
+
+
+def remote_target(folder: Any, project_dir: Any, folder_arg: str) -> tuple[ObjectUrl | None, ObjectUrl | None]:
+    """``(checkpoint url, project url)``: each an :class:`ObjectUrl` when given as ``s3://``, else None.
+
+    Raises:
+        ValueError: a URL of a scheme no backend serves, a malformed ``s3://`` URL, or a local folder with an
+            ``s3://`` project (or the reverse with automatic naming: the checkpoint would not be in the project).
+    """
+    url = remote_url(folder, folder_arg)
+    project = remote_url(project_dir, "project_dir")
+    if project is not None and folder is not None and url is None:
+        raise ValueError(f"{folder_arg}={folder!r} is local but project_dir={project_dir!r} is in object storage; "
+                         "pass both in the same storage")
+    return url, project
+
+
+def save_remote(url: ObjectUrl | None, project: ObjectUrl | None, write: Callable[[Path], Any], *,
+                model_only: bool, total_limit: int | None, storage_options: Mapping[str, Any] | None) -> str:
+    """Run ``write(local_folder)`` and commit the folder at ``url`` (or the next ``checkpoint_n`` of ``project``);
+    rotate the project's checkpoints of that kind to ``total_limit`` after the commit. Returns the URL."""
+    target = url if url is not None else project
+    assert target is not None
+    store = open_store(target.bucket, storage_options)
+    auto = url is None
+    if auto:
+        assert project is not None
+        url = next_object_checkpoint(store, project, model_only=model_only)
+    assert url is not None
+    save_object_checkpoint(store, url, write)
+    if auto and total_limit is not None:
+        assert project is not None
+        rotate_object_checkpoints(store, project, total_limit, model_only=model_only)
+    return str(url)
+
+
+def latest_remote(project: ObjectUrl, *, model_only: bool, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The newest committed checkpoint under ``project`` as an ``s3://`` URL, or None."""
+    found = latest_object_checkpoint(open_store(project.bucket, storage_options), project, model_only=model_only)
+    return None if found is None else str(found)
+
+
+@contextlib.contextmanager
+def fetched(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool,
+            storage_options: Mapping[str, Any] | None) -> Iterator[Path]:
+    """The checkpoint at ``url`` (or the latest under ``project``'s ``checkpoints/``: saved in full, or of either
+    kind with ``model_only``, as locally) as a
+    local folder, checked against its manifest while downloaded; removed afterwards.
+
+    Raises:
+        MissingStateError: no committed checkpoint there. IntegrityError, HeaderError, OSError: see
+            :func:`fastckpt._io.object_commit.fetched_checkpoint`.
+    """
+    target = url if url is not None else project
+    assert target is not None
+    store = open_store(target.bucket, storage_options)
+    if url is None:
+        assert project is not None
+        numbers = object_checkpoint_numbers(store, project, full_only=not model_only)
+        if not numbers:
+            raise MissingStateError(f"{project.child('checkpoints')}: no committed "
+                                    f"{'checkpoint' if model_only else 'full checkpoint'} (no checkpoint_N with a "
+                                    "committed manifest)")
+        url = numbers[max(numbers)]
+    with fetched_checkpoint(store, url) as folder:
+        yield folder

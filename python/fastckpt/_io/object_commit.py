@@ -1,0 +1,303 @@
+"""A checkpoint under an object-store prefix, committed without rename.
+
+Layout of ``s3://bucket/P`` (every object of a save under its prefix)::
+
+    P/manifests/0000000003.json          the commit: written last, by a conditional create (If-None-Match: *)
+    P/save-0000000003-1a2b3c4d/...       the files of that save (model.safetensors, optimizer/..., ...)
+
+A save writes the checkpoint folder locally first (the same writer, files and manifest as a local save, in a
+private temporary folder), uploads every file under a new save-id prefix (parallel multipart uploads, crc32c summed
+as the bytes go out and compared with what the writer recorded), then creates ``manifests/{n}.json`` with ``n`` one
+above the newest committed manifest. Two savers that race for ``n`` cannot both win: the loser gets
+:class:`~fastckpt.errors.ConcurrentSaveError` and its objects are removed. Only after the commit are the older
+manifests deleted (manifest first, then their objects) with leftovers of saves that died (their multipart uploads
+aborted through the ``.fastckpt-upload`` markers), so nothing committed is lost by a failed save.
+
+A load takes the newest manifest, lists the save's prefix and refuses a missing object, one of another size or an
+object the manifest does not list (:class:`~fastckpt.errors.IntegrityError` naming it); it downloads every object
+by ranged parallel reads, checks each crc32c as the bytes come in (a mismatch names the object and the tensor),
+and hands the local folder to the local loader.
+
+May import: layers 0-1 and other ``_io`` modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fastckpt._io.layout import MANIFEST
+from fastckpt._io.object_store import ObjectUrl
+from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
+
+__all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "new_save", "upload_objects", "commit_save",
+           "fetched_checkpoint", "committed_manifest", "delete_checkpoint"]
+
+MANIFESTS = "manifests"
+FORMAT = "fastckpt-object/1"
+MARKER = ".fastckpt-upload"  # fastckpt_store::transfer::UPLOAD_MARKER
+_RETRIES = 5
+
+
+def _crc_hex(crc: int) -> str:
+    return f"{crc:08x}"
+
+
+def manifest_numbers(store: Any, url: ObjectUrl) -> list[int]:
+    """The numbers of the committed manifests of the checkpoint at ``url``, ascending."""
+    found = []
+    for key, _size in store.list(f"{url.prefix}/{MANIFESTS}"):
+        name = key.rsplit("/", 1)[-1]
+        if name.endswith(".json") and name[:-5].isdigit():
+            found.append(int(name[:-5]))
+    return sorted(found)
+
+
+def committed_manifest(store: Any, url: ObjectUrl) -> dict[str, Any] | None:
+    """The newest committed manifest of the checkpoint at ``url`` (parsed), or None when none is committed.
+
+    Raises:
+        HeaderError: the manifest is not the JSON object fastckpt writes (names it).
+    """
+    for _ in range(_RETRIES):
+        numbers = manifest_numbers(store, url)
+        if not numbers:
+            return None
+        key = f"{url.prefix}/{MANIFESTS}/{numbers[-1]:010d}.json"
+        data = store.get(key)
+        if data is not None:
+            return _parse_manifest(store.url(key), data)
+    raise CheckpointChangedError(f"{url}: its manifests changed {_RETRIES} times while being read; retry")
+
+
+def _parse_manifest(where: str, data: bytes) -> dict[str, Any]:
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise HeaderError(f"{where}: not a JSON manifest: {exc}") from None
+    ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("save_id"), str)
+          and isinstance(manifest.get("objects"), dict) and isinstance(manifest.get("manifest"), dict)
+          and manifest["save_id"].startswith("save-") and "/" not in manifest["save_id"])
+    if ok:
+        for name, entry in manifest["objects"].items():
+            ok = ok and isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and entry["bytes"] >= 0 \
+                and isinstance(entry.get("crc32c"), str) and ".." not in name.split("/") and not name.startswith("/")
+    if not ok:
+        raise HeaderError(f"{where}: not a fastckpt object-store manifest (format {FORMAT!r} with save_id, objects "
+                          "{name: {bytes, crc32c}} and the checkpoint's manifest)")
+    return manifest
+
+
+def _local_files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def new_save(store: Any, url: ObjectUrl) -> tuple[int, str]:
+    """``(number, save_id)`` for a new save of the checkpoint at ``url``: one above the newest committed manifest,
+    and a fresh ``save-{number}-{random}`` prefix for its objects."""
+    numbers = manifest_numbers(store, url)
+    number = numbers[-1] + 1 if numbers else 0
+    return number, f"save-{number:010d}-{uuid.uuid4().hex[:8]}"
+
+
+def commit_save(store: Any, url: ObjectUrl, number: int, save_id: str, objects: dict[str, Any],
+                local_manifest: dict[str, Any]) -> None:
+    """Commit save ``save_id`` (its ``objects`` already uploaded): create ``manifests/{number}.json`` with a
+    conditional put, then remove what it supersedes (:func:`collect_garbage`).
+
+    Raises:
+        ConcurrentSaveError: another save committed that manifest first (this save's objects are removed).
+        OSError: the store failed (this save's objects are removed; nothing is committed).
+    """
+    body = json.dumps({"format": FORMAT, "save_id": save_id, "number": number, "objects": objects,
+                       "manifest": local_manifest}, indent=1, sort_keys=True).encode()
+    key = f"{url.prefix}/{MANIFESTS}/{number:010d}.json"
+    try:
+        store.put(key, body, create_only=True)
+    except FileExistsError:
+        theirs = store.get(key)
+        if theirs is None or json.loads(theirs).get("save_id") != save_id:  # not our own retried put
+            _remove_quietly(store, url, save_id)
+            raise ConcurrentSaveError(f"{store.url(key)}: another save committed {url} first (manifest {number}); "
+                                      "this save's objects were removed and the other save's state is the "
+                                      "committed one") from None
+    except BaseException as exc:
+        try:  # the put may have landed before the connection failed: the store says whether it is ours
+            theirs = store.get(key)
+        except Exception:  # unknown: leave our objects (a committed manifest may name them); the next save tidies up
+            raise exc from None
+        if theirs is None or json.loads(theirs).get("save_id") != save_id:
+            _remove_quietly(store, url, save_id)
+            raise
+    collect_garbage(store, url, number, save_id)
+
+
+def upload_objects(store: Any, url: ObjectUrl, save_id: str, folder: Path, names: list[str],
+                   local_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Upload ``folder/name`` for each of ``names`` to ``{url}/{save_id}/name``; ``{name: {bytes, crc32c}}``.
+
+    Raises:
+        IntegrityError: an uploaded file's size or crc32c is not what ``local_manifest`` records for it.
+        OSError: the store failed after the bounded retries (names the object); this save's objects are removed.
+    """
+    keys = [f"{url.prefix}/{save_id}/{name}" for name in names]
+    try:
+        uploaded = store.upload_files([(str(folder / name), key) for name, key in zip(names, keys)])
+    except BaseException:
+        _remove_quietly(store, url, save_id)
+        raise
+    objects = {name: {"bytes": size, "crc32c": _crc_hex(crc)} for name, (size, crc) in zip(names, uploaded)}
+    if local_manifest is not None:
+        _check_against_writer(store, keys, names, objects, local_manifest)
+    return objects
+
+
+def save_object_checkpoint(store: Any, url: ObjectUrl, write: Callable[[Path], None]) -> None:
+    """Save the checkpoint that ``write(local_folder)`` writes to ``url``, committed by its manifest object.
+
+    Raises:
+        ConcurrentSaveError: another save committed the same manifest number first (its state is the committed one;
+            this save's objects were removed).
+        IntegrityError: a file changed on local disk between being written and uploaded.
+        OSError: the store failed after the bounded retries (names the object); nothing is committed and the
+            previous checkpoint is untouched.
+    """
+    with tempfile.TemporaryDirectory(prefix="fastckpt-s3-") as tmp:
+        folder = Path(tmp) / "checkpoint"
+        write(folder)
+        local_manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        number, save_id = new_save(store, url)
+        objects = upload_objects(store, url, save_id, folder, _local_files(folder), local_manifest)
+    commit_save(store, url, number, save_id, objects, local_manifest)
+
+
+def _check_against_writer(store: Any, keys: list[str], names: list[str], objects: dict[str, Any],
+                          local_manifest: dict[str, Any]) -> None:
+    recorded = local_manifest.get("files", {})
+    for key, name in zip(keys, names):
+        entry = recorded.get(name)
+        if isinstance(entry, dict) and "crc32c" in entry and (entry["crc32c"], entry.get("bytes")) != (
+                objects[name]["crc32c"], objects[name]["bytes"]):
+            raise IntegrityError(f"{store.url(key)}: uploaded {objects[name]['bytes']} bytes with crc32c "
+                                 f"{objects[name]['crc32c']}, the writer recorded {entry.get('bytes')} bytes with "
+                                 f"crc32c {entry['crc32c']} (the local file changed before it was uploaded)")
+
+
+def _save_number(save_id: str) -> int | None:
+    parts = save_id.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "save" and parts[1].isdigit() else None
+
+
+def _delete_objects(store: Any, keys: list[str]) -> None:
+    """Abort the multipart uploads the markers among ``keys`` name, then delete every key (markers last)."""
+    markers = [k for k in keys if k.endswith(MARKER)]
+    for marker in markers:
+        upload_id = store.get(marker)
+        if upload_id is not None:
+            store.abort_upload(marker[: -len(MARKER)], upload_id.decode())
+    store.delete([k for k in keys if not k.endswith(MARKER)] + markers)
+
+
+def _remove_quietly(store: Any, url: ObjectUrl, save_id: str) -> None:
+    with contextlib.suppress(Exception):  # best effort: the next committed save removes what is left
+        _delete_objects(store, [k for k, _ in store.list(f"{url.prefix}/{save_id}")])
+
+
+def collect_garbage(store: Any, url: ObjectUrl, number: int, save_id: str) -> None:
+    """After manifest ``number`` (save ``save_id``) committed: delete the older manifests, then the objects of
+    every other save numbered ``number`` or below (superseded, lost a race, or died: their uploads are aborted).
+    Saves numbered above ``number`` may still be running and are left alone."""
+    older = [f"{url.prefix}/{MANIFESTS}/{n:010d}.json" for n in manifest_numbers(store, url) if n < number]
+    store.delete(older)
+    stale = []
+    for key, _size in store.list(url.prefix):
+        rest = key[len(url.prefix) + 1:]
+        head = rest.split("/", 1)[0]
+        if head == MANIFESTS or head == save_id:
+            continue
+        n = _save_number(head)
+        if n is not None and n <= number:
+            stale.append(key)
+    _delete_objects(store, stale)
+
+
+def delete_checkpoint(store: Any, url: ObjectUrl) -> None:
+    """Delete the checkpoint at ``url``: its manifests first (it stops counting at once), then every object."""
+    store.delete([f"{url.prefix}/{MANIFESTS}/{n:010d}.json" for n in manifest_numbers(store, url)])
+    _delete_objects(store, [k for k, _ in store.list(url.prefix)])
+
+
+@contextlib.contextmanager
+def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
+    """The committed checkpoint at ``url`` downloaded into a private local folder (removed afterwards).
+
+    Raises:
+        MissingStateError: no committed manifest at ``url``.
+        IntegrityError: an object the manifest lists is missing or has another size, an object is there that it
+            does not list, or the bytes read have another crc32c (names the object and the damaged tensor).
+        CheckpointChangedError: newer saves replaced the checkpoint while it was read, 5 times in a row.
+        HeaderError: a malformed manifest. OSError: the store failed after the bounded retries.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="fastckpt-s3-"))
+    try:
+        for attempt in range(_RETRIES):
+            folder = tmp / f"checkpoint-{attempt}"
+            manifest = committed_manifest(store, url)
+            if manifest is None:
+                raise MissingStateError(f"{url}: no committed checkpoint there (no {MANIFESTS}/*.json; a save that "
+                                        "did not finish is never loaded)")
+            try:
+                _download(store, url, manifest, folder)
+                break
+            except (FileNotFoundError, IntegrityError) as exc:
+                newer = committed_manifest(store, url)
+                if newer is None or newer["save_id"] == manifest["save_id"]:
+                    if isinstance(exc, IntegrityError):
+                        raise
+                    raise IntegrityError(f"{exc} (listed in the manifest of {url})") from None
+                shutil.rmtree(folder, ignore_errors=True)  # a newer save replaced it while we read: start over
+        else:
+            raise CheckpointChangedError(f"{url}: newer saves replaced it {_RETRIES} times while it was read; retry")
+        yield folder
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path) -> None:
+    base = f"{url.prefix}/{manifest['save_id']}"
+    objects: dict[str, dict[str, Any]] = manifest["objects"]
+    stored = {key[len(base) + 1:]: size for key, size in store.list(base)}
+    problems = []
+    for name, entry in sorted(objects.items()):
+        if name not in stored:
+            problems.append(f"{store.url(f'{base}/{name}')}: missing (the manifest lists {entry['bytes']} bytes)")
+        elif stored[name] != entry["bytes"]:
+            problems.append(f"{store.url(f'{base}/{name}')}: {stored[name]} bytes stored, {entry['bytes']} recorded")
+    problems += [f"{store.url(f'{base}/{name}')}: not in the manifest" for name in sorted(set(stored) - set(objects))]
+    if problems:
+        raise IntegrityError("; ".join(problems))
+    names = sorted(objects)
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    crcs = store.download_files([(f"{base}/{n}", str(folder / n), objects[n]["bytes"]) for n in names])
+    (folder / MANIFEST).write_text(json.dumps(manifest["manifest"]), encoding="utf-8")
+    bad = [n for n, crc in zip(names, crcs) if _crc_hex(crc) != objects[n]["crc32c"]]
+    if bad:
+        _raise_damaged(store, base, folder, bad, objects, dict(zip(names, crcs)))
+
+
+def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects: dict[str, Any],
+                   crcs: dict[str, int]) -> None:
+    from fastckpt._io.integrity import check_checkpoint
+
+    report = check_checkpoint(folder, only=bad)
+    lines = [f"{store.url(f'{base}/{n}')}: crc32c {_crc_hex(crcs[n])} read, {objects[n]['crc32c']} recorded"
+             for n in bad]
+    detail = report.message().replace(f"{folder}/", store.url(base) + "/").replace(str(folder), store.url(base))
+    raise IntegrityError("; ".join(lines) + (f" ({detail})" if not report.ok else ""))

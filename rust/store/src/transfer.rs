@@ -1,0 +1,286 @@
+//! Moving files' bytes: parallel multipart uploads from a mapped file, ranged parallel reads into a preallocated
+//! file. Every request holds one permit of a semaphore of `concurrency`, over every object of a call, so the bytes
+//! in flight stay near `concurrency * part_size`. crc32c is summed per part by the task that sends or receives it,
+//! and the parts are folded in order with the core's [`fastckpt_core::checksum::fold`].
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fastckpt_core::checksum::{crc32c_append, fold, PieceCrc};
+use futures::future::try_join_all;
+use object_store::multipart::{MultipartStore, PartId};
+use object_store::path::Path;
+use object_store::{ObjectStore, PutPayload};
+use tokio::sync::Semaphore;
+
+use crate::error::{Result, StoreError};
+use crate::Store;
+
+/// Suffix of the small object that records a multipart upload's id while it runs (`{key}.fastckpt-upload`),
+/// so a later save can abort the uploads of a save that was killed.
+pub const UPLOAD_MARKER: &str = ".fastckpt-upload";
+
+/// What an upload wrote: the object's size and crc32c.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Upload {
+    /// Bytes.
+    pub size: u64,
+    /// crc32c of every byte, summed as they went out.
+    pub crc32c: u32,
+}
+
+/// What a download read: the crc32c of every byte written to the local file.
+pub type Download = u32;
+
+/// A byte range of a mapped file, owned (so a request body can hold it without a copy).
+struct MappedSlice {
+    map: Arc<memmap2::Mmap>,
+    start: usize,
+    end: usize,
+}
+
+impl AsRef<[u8]> for MappedSlice {
+    fn as_ref(&self) -> &[u8] {
+        &self.map[self.start..self.end]
+    }
+}
+
+fn io_error(path: &std::path::Path, source: std::io::Error) -> StoreError {
+    StoreError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn crc_of(pieces: Vec<PieceCrc>) -> u32 {
+    fold(pieces, Vec::new()).file_crc32c
+}
+
+/// Byte ranges of `size` bytes in `part` sized pieces (one empty range for an empty object).
+fn ranges(size: u64, part: u64) -> Vec<std::ops::Range<u64>> {
+    if size == 0 {
+        return std::iter::once(0..0).collect();
+    }
+    (0..size.div_ceil(part))
+        .map(|i| i * part..((i + 1) * part).min(size))
+        .collect()
+}
+
+impl Store {
+    /// Upload each `(local file, key)`; files larger than one part go as multipart uploads whose parts are sent
+    /// in parallel. Returns each object's size and crc32c, in the order of `jobs`.
+    ///
+    /// A failed multipart upload is aborted; one whose process dies leaves `{key}.fastckpt-upload` naming it.
+    pub fn upload_files(&self, jobs: &[(std::path::PathBuf, String)]) -> Result<Vec<Upload>> {
+        let permits = Arc::new(Semaphore::new(self.transfer.concurrency));
+        self.runtime.block_on(try_join_all(
+            jobs.iter()
+                .map(|(local, key)| self.upload_one(local, key, &permits)),
+        ))
+    }
+
+    async fn upload_one(
+        &self,
+        local: &std::path::Path,
+        key: &str,
+        permits: &Semaphore,
+    ) -> Result<Upload> {
+        let file = File::open(local).map_err(|e| io_error(local, e))?;
+        let size = file.metadata().map_err(|e| io_error(local, e))?.len();
+        let map = if size == 0 {
+            None
+        } else {
+            // SAFETY: the file is one this process wrote into its own staging folder (mode 0700) and nothing
+            // truncates or rewrites it while it is uploaded; the mapping is read only.
+            Some(Arc::new(
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_error(local, e))?,
+            ))
+        };
+        let body = |range: &std::ops::Range<u64>| -> (PutPayload, PieceCrc) {
+            let Some(map) = &map else {
+                return (
+                    PutPayload::new(),
+                    PieceCrc {
+                        tensor: None,
+                        crc: 0,
+                        len: 0,
+                    },
+                );
+            };
+            let slice = MappedSlice {
+                map: map.clone(),
+                start: range.start as usize,
+                end: range.end as usize,
+            };
+            let crc = crc32c_append(0, slice.as_ref());
+            let piece = PieceCrc {
+                tensor: None,
+                crc,
+                len: range.end - range.start,
+            };
+            (PutPayload::from(Bytes::from_owner(slice)), piece)
+        };
+        let path = Path::from(key);
+        let parts = ranges(size, self.transfer.part_size);
+        if parts.len() == 1 {
+            let (payload, piece) = body(&parts[0]);
+            let _permit = permits.acquire().await.expect("semaphore open");
+            self.s3
+                .put(&path, payload)
+                .await
+                .map_err(|e| self.fail(key, e))?;
+            return Ok(Upload {
+                size,
+                crc32c: crc_of(vec![piece]),
+            });
+        }
+        let id = self
+            .s3
+            .create_multipart(&path)
+            .await
+            .map_err(|e| self.fail(key, e))?;
+        let marker = Path::from(format!("{key}{UPLOAD_MARKER}"));
+        let sent = async {
+            self.s3
+                .put(&marker, PutPayload::from(id.clone().into_bytes()))
+                .await
+                .map_err(|e| self.fail(key, e))?;
+            let sent: Vec<(PartId, PieceCrc)> =
+                try_join_all(parts.iter().enumerate().map(|(i, range)| {
+                    let (payload, piece) = body(range);
+                    let (path, id) = (&path, &id);
+                    async move {
+                        let _permit = permits.acquire().await.expect("semaphore open");
+                        let part = self
+                            .s3
+                            .put_part(path, id, i, payload)
+                            .await
+                            .map_err(|e| self.fail(key, e))?;
+                        Ok::<_, StoreError>((part, piece))
+                    }
+                }))
+                .await?;
+            let (ids, pieces): (Vec<PartId>, Vec<PieceCrc>) = sent.into_iter().unzip();
+            self.s3
+                .complete_multipart(&path, &id, ids)
+                .await
+                .map_err(|e| self.fail(key, e))?;
+            Ok::<_, StoreError>(crc_of(pieces))
+        }
+        .await;
+        match sent {
+            Ok(crc32c) => {
+                self.s3
+                    .delete(&marker)
+                    .await
+                    .map_err(|e| self.fail(key, e))?;
+                Ok(Upload { size, crc32c })
+            }
+            Err(error) => {
+                // best effort: the next save aborts what is left (the marker names it) if this fails too
+                if self.s3.abort_multipart(&path, &id).await.is_ok() {
+                    let _ = self.s3.delete(&marker).await;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Download each `(key, local file, size)` into a new local file of that size by ranged reads in parallel.
+    /// Returns each file's crc32c, in the order of `jobs`.
+    ///
+    /// Raises [`StoreError::Integrity`] when the store returns another number of bytes than `size` for a range
+    /// (the object is shorter or longer than recorded).
+    pub fn download_files(
+        &self,
+        jobs: &[(String, std::path::PathBuf, u64)],
+    ) -> Result<Vec<Download>> {
+        let permits = Arc::new(Semaphore::new(self.transfer.concurrency));
+        self.runtime
+            .block_on(try_join_all(jobs.iter().map(|(key, local, size)| {
+                self.download_one(key, local, *size, &permits)
+            })))
+    }
+
+    async fn download_one(
+        &self,
+        key: &str,
+        local: &std::path::Path,
+        size: u64,
+        permits: &Semaphore,
+    ) -> Result<u32> {
+        let file = File::create(local).map_err(|e| io_error(local, e))?;
+        file.set_len(size).map_err(|e| io_error(local, e))?;
+        let path = Path::from(key);
+        if size == 0 {
+            let meta = self.s3.head(&path).await.map_err(|e| self.fail(key, e))?;
+            if meta.size != 0 {
+                return Err(StoreError::Integrity {
+                    url: self.url(key),
+                    what: format!("{} bytes stored, 0 recorded in the manifest", meta.size),
+                });
+            }
+            return Ok(0);
+        }
+        let (file, path) = (&file, &path);
+        let pieces = try_join_all(ranges(size, self.transfer.part_size).into_iter().map(
+            |range| async move {
+                let _permit = permits.acquire().await.expect("semaphore open");
+                let bytes = self
+                    .s3
+                    .get_range(path, range.clone())
+                    .await
+                    .map_err(|e| self.fail(key, e))?;
+                let want = range.end - range.start;
+                if bytes.len() as u64 != want {
+                    return Err(StoreError::Integrity {
+                        url: self.url(key),
+                        what: format!(
+                            "bytes {}..{}: {} bytes read, {want} expected",
+                            range.start,
+                            range.end,
+                            bytes.len()
+                        ),
+                    });
+                }
+                file.write_all_at(&bytes, range.start)
+                    .map_err(|e| io_error(local, e))?;
+                Ok(PieceCrc {
+                    tensor: None,
+                    crc: crc32c_append(0, &bytes),
+                    len: want,
+                })
+            },
+        ))
+        .await?;
+        Ok(crc_of(pieces))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_cover_the_object_once_in_part_sized_pieces() {
+        assert_eq!(ranges(0, 5), std::iter::once(0..0).collect::<Vec<_>>());
+        assert_eq!(ranges(5, 5), std::iter::once(0..5).collect::<Vec<_>>());
+        assert_eq!(ranges(11, 5), vec![0..5, 5..10, 10..11]);
+    }
+
+    #[test]
+    fn folded_part_crcs_equal_the_whole_objects_crc() {
+        let data: Vec<u8> = (0..100_003u32).map(|i| (i * 2_654_435_761) as u8).collect();
+        let pieces = ranges(data.len() as u64, 4096)
+            .into_iter()
+            .map(|r| PieceCrc {
+                tensor: None,
+                crc: crc32c_append(0, &data[r.start as usize..r.end as usize]),
+                len: r.end - r.start,
+            })
+            .collect();
+        assert_eq!(crc_of(pieces), crc32c_append(0, &data));
+    }
+}

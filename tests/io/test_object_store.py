@@ -1,0 +1,233 @@
+"""``s3://`` checkpoints against a real S3 API server (moto, tests/helpers/s3_server.py): round trips bit-exact
+(single file, sharded, multipart), re-saves, automatic naming, ``latest_checkpoint`` and ``total_limit`` rotation by
+committed manifests only, and hostile manifests and objects (a load that refuses changes nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+from helpers.common import assert_model_state, make_training_state, model_clone
+from helpers.crash_worker import build_state
+from helpers.procs import expected_fingerprint, loaded_fingerprint
+from helpers.s3_server import BUCKET, client, keys
+
+import fastckpt
+from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
+
+MiB = 1 << 20
+
+
+def _prefix(url: str) -> str:
+    return url.split(f"s3://{BUCKET}/", 1)[1]
+
+
+def _objects(url: str) -> dict[str, str]:
+    """``{name: key}`` of the committed save's objects under ``url`` (names relative to its save-id prefix)."""
+    found = {}
+    for key in keys(_prefix(url) + "/"):
+        rest = key[len(_prefix(url)) + 1:]
+        if rest.startswith("save-"):
+            found[rest.split("/", 1)[1]] = key
+    return found
+
+
+def _manifests(url: str) -> list[str]:
+    return [k.rsplit("/", 1)[1] for k in keys(_prefix(url) + "/manifests/")]
+
+
+def _get(key: str) -> bytes:
+    return client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def _put(key: str, data: bytes) -> None:
+    client().put_object(Bucket=BUCKET, Key=key, Body=data)
+
+
+def test_full_state_round_trip_is_bit_exact_and_objects_match_a_local_save(s3_url, tmp_path):
+    model, opt, sched = build_state(3, 2)
+    returned = fastckpt.save_state(model, opt, sched, output_dir=s3_url, step=7)
+    assert returned == s3_url
+    assert _manifests(s3_url) == ["0000000000.json"]
+    local = fastckpt.save_state(model, opt, sched, output_dir=tmp_path / "local", step=7)
+    objects = _objects(s3_url)
+    assert sorted(objects) == sorted(p.name for p in local.iterdir() if p.name != "fastckpt.json")
+    for name, key in objects.items():
+        if name.endswith(".safetensors"):  # the official reader reads the object's bytes as the local file's
+            remote = safetensors.torch.load(_get(key))
+            for k, v in safetensors.torch.load_file(local / name).items():
+                assert torch.equal(remote[k], v), (name, k)
+    assert loaded_fingerprint(s3_url, 2) == expected_fingerprint(3, 2)
+
+
+def test_sharded_multipart_round_trip(s3_url):
+    """max_shard_size splits the model; 5 MiB parts make each 8 MiB shard a multipart upload (2 parts)."""
+    model, opt, sched = build_state(4, 16)
+    options = {"part_size": str(5 * MiB), "concurrency": "4"}
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url, max_shard_size="8MiB", storage_options=options)
+    names = sorted(_objects(s3_url))
+    assert "model.safetensors.index.json" in names and sum(n.startswith("model-0") for n in names) >= 2
+    assert not [k for k in keys(_prefix(s3_url) + "/") if k.endswith(".fastckpt-upload")]
+    fresh, fopt, fsched = build_state(5, 16)
+    fastckpt.load_state(fresh, fopt, fsched, input_dir=s3_url, storage_options=options, verify=True)
+    from helpers.procs import fingerprint
+
+    assert fingerprint(fresh, fopt, fsched) == expected_fingerprint(4, 16)
+
+
+def test_model_only_round_trip_and_model_only_load_of_a_full_save(s3_url):
+    model, opt, sched = make_training_state(0)
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url + "/full")
+    fastckpt.save_state(model, model_only=True, output_dir=s3_url + "/weights")
+    assert sorted(_objects(s3_url + "/weights")) == ["model.safetensors"]
+    for where in ("/full", "/weights"):
+        fresh = make_training_state(1)[0]
+        fastckpt.load_state(fresh, input_dir=s3_url + where, model_only=True)
+        assert_model_state(fresh, model_clone(model))
+    with pytest.raises(MissingStateError):
+        fastckpt.load_state(*make_training_state(1), input_dir=s3_url + "/weights")
+
+
+def test_resave_replaces_the_state_and_removes_the_old_objects_after_the_commit(s3_url):
+    fastckpt.save_state(*build_state(1, 1), output_dir=s3_url)
+    first = set(keys(_prefix(s3_url) + "/"))
+    fastckpt.save_state(*build_state(2, 1), output_dir=s3_url)
+    assert _manifests(s3_url) == ["0000000001.json"]
+    assert not first & set(keys(_prefix(s3_url) + "/"))
+    assert loaded_fingerprint(s3_url, 1) == expected_fingerprint(2, 1)
+
+
+def test_project_naming_rotation_and_latest_by_committed_manifests(s3_url):
+    model, opt, sched = make_training_state(0)
+    assert fastckpt.latest_checkpoint(s3_url) is None
+    saved = [fastckpt.save_state(model, opt, sched, project_dir=s3_url, total_limit=2) for _ in range(3)]
+    assert saved == [f"{s3_url}/checkpoints/checkpoint_{n}" for n in range(3)]
+    snap = fastckpt.save_state(model, model_only=True, project_dir=s3_url, total_limit=1)
+    assert snap == f"{s3_url}/model_only/checkpoint_0"
+    assert fastckpt.latest_checkpoint(s3_url) == saved[2]
+    assert fastckpt.latest_checkpoint(s3_url, model_only=True) == snap
+    assert not keys(_prefix(saved[0]) + "/")  # rotated away, every object
+    assert _manifests(saved[1]) and _manifests(saved[2])
+    # a save that never committed (objects, no manifest) is neither latest nor counted for the next number
+    _put(_prefix(s3_url) + "/checkpoints/checkpoint_9/save-0000000000-deadbeef/model.safetensors", b"junk")
+    assert fastckpt.latest_checkpoint(s3_url) == saved[2]
+    model2 = make_training_state(1)[0]
+    fastckpt.load_state(model2, project_dir=s3_url, model_only=True)
+    assert_model_state(model2, model_clone(model))
+    assert fastckpt.save_state(model, opt, sched, project_dir=s3_url) == f"{s3_url}/checkpoints/checkpoint_3"
+
+
+def test_no_committed_checkpoint_is_missing_state(s3_url):
+    with pytest.raises(MissingStateError, match="no committed checkpoint"):
+        fastckpt.load_state(make_training_state(0)[0], input_dir=s3_url, model_only=True)
+    with pytest.raises(MissingStateError, match="no committed full checkpoint"):
+        fastckpt.load_state(*make_training_state(0), project_dir=s3_url)
+
+
+@pytest.fixture
+def committed(s3_url):
+    """A committed full checkpoint at ``s3_url``, and the live objects a refused load must leave untouched."""
+    fastckpt.save_state(*make_training_state(0), output_dir=s3_url)
+    live = make_training_state(1)
+    return s3_url, live, model_clone(live[0])
+
+
+def _refused(committed, error, match):
+    url, live, before = committed
+    with pytest.raises(error, match=match):
+        fastckpt.load_state(*live, input_dir=url)
+    assert_model_state(live[0], before)
+
+
+def test_object_of_another_size_is_refused(committed):
+    key = _objects(committed[0])["model.safetensors"]
+    _put(key, _get(key)[:-4])
+    _refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: \d+ bytes stored, \d+ recorded")
+
+
+def test_object_with_a_flipped_byte_names_object_and_tensor(committed):
+    key = _objects(committed[0])["model.safetensors"]
+    data = bytearray(_get(key))
+    data[-1] ^= 0x40  # the last byte belongs to the last tensor in the file
+    _put(key, bytes(data))
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    _refused(committed, IntegrityError, rf"(?s)s3://{BUCKET}/{key}: crc32c .* recorded.*s3://{BUCKET}/{key}: tensor '{last}'")
+    with pytest.raises(IntegrityError, match=last):
+        fastckpt.verify_checkpoint(committed[0])
+
+
+def test_missing_object_is_refused(committed):
+    key = _objects(committed[0])["optimizer.safetensors"]
+    client().delete_object(Bucket=BUCKET, Key=key)
+    _refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: missing")
+
+
+def test_object_the_manifest_does_not_list_is_refused(committed):
+    key = _objects(committed[0])["model.safetensors"].rsplit("/", 1)[0] + "/model_1.safetensors"
+    _put(key, b"x")
+    _refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: not in the manifest")
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[]", json.dumps({"format": "fastckpt-object/1"}).encode(),
+                                  json.dumps({"format": "fastckpt-object/1", "save_id": "save-1-a", "manifest": {},
+                                              "objects": {"../../x": {"bytes": 1, "crc32c": "0"}}}).encode()])
+def test_malformed_manifest_is_a_header_error(committed, body):
+    url = committed[0]
+    _put(f"{_prefix(url)}/manifests/{_manifests(url)[-1]}", body)
+    _refused(committed, HeaderError, "manifests/0000000000.json")
+
+
+def test_verify_reads_every_object(committed):
+    report = fastckpt.verify_checkpoint(committed[0])
+    assert report.ok and set(report.files) == set(_objects(committed[0]))
+
+
+def test_cli_verify_and_inspect_read_s3_checkpoints(committed, capsys):
+    from fastckpt.cli import main
+
+    url = committed[0]
+    assert main(["verify", url]) == 0
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr()
+    assert "every object matches its manifest" in out.err and "fc1.weight" in out.out
+    key = _objects(url)["model.safetensors"]
+    _put(key, _get(key)[:-1] + bytes([_get(key)[-1] ^ 1]))
+    assert main(["verify", url]) == 1
+    assert f"s3://{BUCKET}/{key}: crc32c" in capsys.readouterr().err
+    assert main(["verify", url + "-nothing-here"]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+
+
+def test_consolidate_an_s3_dcp_checkpoint_into_a_local_model_folder(s3_url, tmp_path):
+    from helpers.dcp_state import full_state
+
+    import fastckpt.dcp
+    from fastckpt.cli import main
+
+    state = {k: v for k, v in full_state().items() if isinstance(v, torch.Tensor)}
+    fastckpt.dcp.save(state, s3_url)
+    fastckpt.dcp.save(state, tmp_path / "local")
+    assert main(["consolidate", s3_url, str(tmp_path / "from_s3")]) == 0
+    assert main(["consolidate", str(tmp_path / "local"), str(tmp_path / "from_local")]) == 0
+    names = sorted(p.name for p in (tmp_path / "from_local").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "from_s3").iterdir())
+    for name in names:
+        assert (tmp_path / "from_s3" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+
+
+def test_bad_storage_options_are_value_errors(s3_url):
+    model = make_training_state(0)[0]
+    with pytest.raises(ValueError, match='"no_such_key" is not an S3 setting'):
+        fastckpt.save_state(model, model_only=True, output_dir=s3_url, storage_options={"no_such_key": "1"})
+    with pytest.raises(ValueError, match="part_size 1024 is outside"):
+        fastckpt.save_state(model, model_only=True, output_dir=s3_url, storage_options={"part_size": 1024})
+    with pytest.raises(ValueError, match="names no key prefix"):
+        fastckpt.save_state(model, model_only=True, output_dir=f"s3://{BUCKET}")
+    with pytest.raises(ValueError, match="the key prefix holds '#'"):
+        fastckpt.save_state(model, model_only=True, output_dir=s3_url + "/a#b")
+    with pytest.raises(ValueError, match="is local but project_dir"):
+        fastckpt.save_state(model, model_only=True, output_dir="local", project_dir=s3_url)
+    assert not keys(_prefix(s3_url))
