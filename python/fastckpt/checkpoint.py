@@ -13,7 +13,7 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence, overload
 
 import torch
 
@@ -115,6 +115,35 @@ def _check_map_location(map_location: Any) -> None:
         raise ValueError(f"map_location={map_location!r} but CUDA is not available on this machine")
 
 
+# Typed overloads: ``async_save=False`` (the default) returns the committed folder, ``True`` / ``"snapshot"`` the handle.
+_Models = torch.nn.Module | Sequence[torch.nn.Module]
+_Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+_PathArg = str | os.PathLike[str] | None
+
+
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: Literal[False] = ..., trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...) -> Path: ...
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: Literal[True, "snapshot"], trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...) -> AsyncSave: ...
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: bool | str = ..., trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...) -> Path | AsyncSave: ...
+
+
 def save_state(
     model: torch.nn.Module | Sequence[torch.nn.Module],
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -129,7 +158,7 @@ def save_state(
     threads: int = 0,
     max_shard_size: int | str | None = None,
     compat: str | None = None,
-    async_save: bool = False,
+    async_save: bool | str = False,
     trainable_only: bool = False,
     trainable_buffers: Sequence[str] = (),
     dtype: torch.dtype | None = None,

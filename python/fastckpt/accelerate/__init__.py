@@ -33,7 +33,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, overload
 
 import torch
 
@@ -88,6 +88,26 @@ def _check_supported(accelerator: Any) -> str | None:
         raise NotImplementedError(f"fastckpt.accelerate handles FSDP2 with SHARDED_STATE_DICT or FULL_STATE_DICT, "
                                   f"not {sdt}; use accelerator.save_state / load_state")
     return sdt
+
+
+@overload
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = ..., *, model_only: bool = ...,
+               compat: str | None = ..., max_shard_size: int | str | None = ..., durable: bool = ..., threads: int = ...,
+               trainable_only: bool = ..., trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ...,
+               share_unchanged: bool = ..., timeout: float = ..., async_save: Literal[False] = ...,
+               host_memory_budget: int | str | None = ...) -> Path: ...
+@overload
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = ..., *, model_only: bool = ...,
+               compat: str | None = ..., max_shard_size: int | str | None = ..., durable: bool = ..., threads: int = ...,
+               trainable_only: bool = ..., trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ...,
+               share_unchanged: bool = ..., timeout: float = ..., async_save: Literal[True, "snapshot"],
+               host_memory_budget: int | str | None = ...) -> AsyncSave: ...
+@overload
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = ..., *, model_only: bool = ...,
+               compat: str | None = ..., max_shard_size: int | str | None = ..., durable: bool = ..., threads: int = ...,
+               trainable_only: bool = ..., trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ...,
+               share_unchanged: bool = ..., timeout: float = ..., async_save: bool | str = ...,
+               host_memory_budget: int | str | None = ...) -> Path | AsyncSave: ...
 
 
 def save_state(

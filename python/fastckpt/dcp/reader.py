@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPStorageReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -20,6 +19,11 @@ from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
 from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata
 from fastckpt.errors import DtypeError, ShapeMismatchError
+
+try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it
+    from torch.distributed.checkpoint._traverse import set_element
+except ImportError:  # pragma: no cover - exercised by tests/integrations/test_torch_compat.py in a subprocess
+    from fastckpt.dcp.traverse import set_element
 
 __all__ = ["StorageReader"]
 
