@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 CONSTRAINTS := -c constraints.txt
 
-.PHONY: help demo test install install-test rust-test py-test lint bench build-tools wheel release-check clean
+.PHONY: help demo test install install-test rust-test py-test lint bench build-tools wheel release-check test-torch-min clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -54,6 +54,21 @@ wheel: build-tools  ## build the manylinux_2_28 abi3 wheel into dist/ (zig links
 release-check: build-tools  ## the release workflow here: sdist, wheel from it, auditwheel, fresh venvs 3.11-3.13
 	$(PIP) install -q $(CONSTRAINTS) torch numpy safetensors pytest
 	$(PY) tests/helpers/wheel_check.py release-check
+
+# The lowest torch pyproject declares. test-torch-min runs the suite on it in a venv of its own that sees everything
+# else (fastckpt-rs, accelerate, ...) in $(VENV) through a .pth file; torch 2.6 and its CUDA 12 libraries are a
+# download of about 3.5 GB. The .pth is removed first so pip never sees (and never touches) $(VENV)'s torch.
+TORCH_MIN := 2.6.0
+TORCH_MIN_VENV ?= /tmp/fastckpt-torch-min
+PURELIB := -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+
+test-torch-min: install-test  ## pytest suite on torch $(TORCH_MIN) (the declared floor) in $(TORCH_MIN_VENV)
+	test -x $(TORCH_MIN_VENV)/bin/python || python3 -m venv $(TORCH_MIN_VENV)
+	site=$$($(TORCH_MIN_VENV)/bin/python $(PURELIB)) && rm -f $$site/zz_project.pth && \
+	  $(TORCH_MIN_VENV)/bin/pip install -q --disable-pip-version-check torch==$(TORCH_MIN) && \
+	  $(PY) $(PURELIB) > $$site/zz_project.pth
+	$(TORCH_MIN_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH_MIN)'), torch.__version__"
+	$(TORCH_MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 clean:  ## remove build outputs
 	rm -rf target dist
