@@ -27,7 +27,7 @@ from torch import nn
 # --------------------------------------------------------------------------------------------------------------
 
 #: Every dtype torch 2.13 and the safetensors format share, with the format's name.
-#: dtypes newer than the lowest torch supported (2.6): ``float8_e8m0fnu`` (torch 2.7), ``float4_e2m1fn_x2`` (2.8);
+#: dtypes newer than some torch versions: ``float8_e8m0fnu`` (torch 2.7), ``float4_e2m1fn_x2`` (torch 2.8);
 #: None on a torch without them (the tests that need them skip, and the library names the dtype it cannot build)
 F8_E8M0_DTYPE: torch.dtype | None = getattr(torch, "float8_e8m0fnu", None)
 F4_DTYPE: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)

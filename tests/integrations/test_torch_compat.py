@@ -52,7 +52,7 @@ import torch.distributed.checkpoint._traverse as traverse   # DCP itself imports
 del traverse.set_element                                      # set_element there: the import in reader.py fails
 sys.path.insert(0, sys.argv[2])
 import warnings
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
 import fastckpt.dcp, fastckpt.dcp.reader, fastckpt.dcp.traverse
 from helpers.dcp_state import full_state, mismatches, template
 assert fastckpt.dcp.reader.set_element is fastckpt.dcp.traverse.set_element, fastckpt.dcp.reader.set_element
@@ -102,3 +102,17 @@ def test_overlap_check_without_torchs_private_probe_agrees_with_it(monkeypatch):
     assert without == with_probe
     assert without == {"contiguous": False, "transposed": False, "channels_last": False, "sliced": False,
                        "expanded": True, "overlapping_as_strided": True, "stride_zero_inner": True}
+
+
+def test_no_dist_is_passed_only_to_a_dcp_call_that_takes_it():
+    import torch.distributed.checkpoint as dcp
+
+    from fastckpt._io.torch_compat import no_dist_kwargs
+
+    def old_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None):
+        """dcp.save's signature in torch 2.6"""
+
+    assert no_dist_kwargs(old_save, True) == {}
+    assert no_dist_kwargs(lambda state_dict, *, no_dist=False: None, True) == {"no_dist": True}
+    expected = {"no_dist": False} if "no_dist" in __import__("inspect").signature(dcp.save).parameters else {}
+    assert no_dist_kwargs(dcp.save, False) == expected
