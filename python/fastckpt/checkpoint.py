@@ -13,7 +13,7 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
 
@@ -116,6 +116,39 @@ def _check_map_location(map_location: Any) -> None:
         raise ValueError("map_location='meta' would load no data; use a real device or None")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"map_location={map_location!r} but CUDA is not available on this machine")
+
+
+# Typed overloads: ``async_save=False`` (the default) returns the committed folder, ``True`` / ``"stream"`` / ``"snapshot"`` the handle
+# (an ``s3://`` output_dir returns the checkpoint's URL as a ``str``).
+_Models = torch.nn.Module | Sequence[torch.nn.Module]
+_Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+_PathArg = str | os.PathLike[str] | None
+
+
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: Literal[False] = ..., trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...,
+               storage_options: Mapping[str, Any] | None = ...) -> Path: ...
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: Literal[True, "stream", "snapshot"], trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...,
+               storage_options: Mapping[str, Any] | None = ...) -> AsyncSave: ...
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: bool | str = ..., trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...,
+               storage_options: Mapping[str, Any] | None = ...) -> Path | AsyncSave: ...
 
 
 def save_state(

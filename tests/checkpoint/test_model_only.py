@@ -149,7 +149,7 @@ def test_full_load_of_model_only_folder_raises_before_changing_anything(tmp_path
 
 
 def test_load_of_model_only_folder_without_optimizer_or_scheduler_is_not_a_full_load(tmp_path):
-    """PYTHON_API: a *full load* is one with an optimizer or scheduler passed; the model alone loads fine."""
+    """README (API): a *full load* is one with an optimizer or scheduler passed; the model alone loads fine."""
     model, _, _ = _trained(seed=1)
     ckpt = fastckpt.save_state(model, output_dir=tmp_path / "w", model_only=True)
     fresh = make_tiny(3)

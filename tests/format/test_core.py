@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch as official
 import torch
 from helpers.common import (
+    F4_DTYPE,
     OFFICIAL_BYTES_LOADER_MISSES,
     SHARED_DTYPES,
     assert_calls_overlap,
@@ -86,8 +87,9 @@ def test_byte_identity_all_dtypes_one_file(tmp_path):
     ref, ours = write_both(tmp_path, tensors, None)
     assert ours == ref
     _, _, header, _ = split_file(ours)
-    assert header["t.float4_e2m1fn_x2"]["dtype"] == "F4"
-    assert header["t.float4_e2m1fn_x2"]["shape"] == [2, 12]
+    if F4_DTYPE is not None:  # torch 2.8+
+        assert header["t.float4_e2m1fn_x2"]["dtype"] == "F4"
+        assert header["t.float4_e2m1fn_x2"]["shape"] == [2, 12]
 
 
 @pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"}], ids=["none", "empty", "one-key"])

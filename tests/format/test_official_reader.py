@@ -16,9 +16,12 @@ import pytest
 import safetensors.torch as official
 import torch
 from helpers.common import (
+    F4_DTYPE,
+    F8_E8M0_DTYPE,
     SHARED_DTYPES,
     assert_tensor_dicts_identical,
     assert_tensor_identical,
+    newer_dtype,
     random_tensor,
     read_split,
     tensor_order,
@@ -144,7 +147,7 @@ def test_get_slice_equals_official(tmp_path, which):
 
 
 def test_get_slice_of_every_dtype_matches_tensor_indexing(tmp_path):
-    dtypes = [d for d, _ in SHARED_DTYPES if d != torch.float4_e2m1fn_x2]  # F4 slices count packed bytes
+    dtypes = [d for d, _ in SHARED_DTYPES if d != F4_DTYPE]  # F4 slices count packed bytes
     tensors = {str(d): random_tensor(d, (4, 6), seed=i) for i, d in enumerate(dtypes)}
     path = tmp_path / "all.safetensors"
     official.save_file(tensors, path)
@@ -154,13 +157,13 @@ def test_get_slice_of_every_dtype_matches_tensor_indexing(tmp_path):
             assert_tensor_identical(f.get_slice(k)[1:3, ::2], g.get_slice(k)[1:3, ::2], k)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.float4_e2m1fn_x2], ids=["F8_E8M0", "F4"])
+@pytest.mark.parametrize("dtype", [newer_dtype(F8_E8M0_DTYPE, "F8_E8M0"), newer_dtype(F4_DTYPE, "F4")])
 def test_loaders_handle_dtypes_the_official_bytes_loader_misses(tmp_path, dtype):
     t = random_tensor(dtype, (2, 4), seed=11)
     path = tmp_path / "odd.safetensors"
     official.save_file({"t": t, "other": torch.ones(3)}, path)
     _, _, header, _ = read_split(path)
-    if dtype == torch.float4_e2m1fn_x2:
+    if dtype == F4_DTYPE:
         assert header["t"]["dtype"] == "F4" and header["t"]["shape"] == [2, 8]
     else:
         assert header["t"]["dtype"] == "F8_E8M0" and header["t"]["shape"] == [2, 4]

@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch as official
 import torch
 from helpers.common import (
+    F4_DTYPE,
     OFFICIAL_BYTES_LOADER_MISSES,
     SHARED_DTYPES,
     assert_tensor_dicts_identical,
@@ -182,7 +183,7 @@ def test_c7_every_dtype_identical_through_every_loader(tmp_path, dtype, st_name)
     official.save_file({"t": t}, ref)
     assert path.read_bytes() == ref.read_bytes()
     _, _, header, data = read_split(path)
-    expected_shape = [2, 8] if dtype == torch.float4_e2m1fn_x2 else [2, 4]
+    expected_shape = [2, 8] if dtype == F4_DTYPE else [2, 4]
     assert header["t"] == {"dtype": st_name, "shape": expected_shape, "data_offsets": [0, len(data)]}
     assert data == tensor_bytes(t)
 
@@ -193,7 +194,7 @@ def test_c7_every_dtype_identical_through_every_loader(tmp_path, dtype, st_name)
     }
     with ft.safe_open(path, framework="pt") as f:
         loaded["ft.safe_open"] = f.get_tensor("t")
-        if dtype != torch.float4_e2m1fn_x2:  # F4 slices index packed values: not part of the contract
+        if dtype != F4_DTYPE:  # F4 slices index packed values: not part of the contract
             loaded["ft.get_slice[:]"] = f.get_slice("t")[:]
         assert f.get_slice("t").get_dtype() == st_name
         assert list(f.get_slice("t").get_shape()) == expected_shape
@@ -339,7 +340,7 @@ def _tensor_dicts(draw):
     for i, name in enumerate(names):
         dtype = draw(_dtypes)
         shape = draw(_shapes)
-        if dtype == torch.float4_e2m1fn_x2 and not shape:
+        if dtype == F4_DTYPE and not shape:
             shape = [1]
         out[name] = random_tensor(dtype, tuple(shape), seed=i)
     metadata = draw(st.one_of(st.none(), st.dictionaries(_names, st.text(max_size=8), max_size=1)))

@@ -27,7 +27,12 @@ from torch import nn
 # --------------------------------------------------------------------------------------------------------------
 
 #: Every dtype torch 2.13 and the safetensors format share, with the format's name.
-SHARED_DTYPES: list[tuple[torch.dtype, str]] = [
+#: dtypes newer than some torch versions: ``float8_e8m0fnu`` (torch 2.7), ``float4_e2m1fn_x2`` (torch 2.8);
+#: None on a torch without them (the tests that need them skip, and the library names the dtype it cannot build)
+F8_E8M0_DTYPE: torch.dtype | None = getattr(torch, "float8_e8m0fnu", None)
+F4_DTYPE: torch.dtype | None = getattr(torch, "float4_e2m1fn_x2", None)
+
+SHARED_DTYPES: list[tuple[torch.dtype, str]] = [(d, name) for d, name in [
     (torch.bool, "BOOL"),
     (torch.uint8, "U8"),
     (torch.int8, "I8"),
@@ -44,14 +49,19 @@ SHARED_DTYPES: list[tuple[torch.dtype, str]] = [
     (torch.complex64, "C64"),
     (torch.float8_e4m3fn, "F8_E4M3"),
     (torch.float8_e5m2, "F8_E5M2"),
-    (torch.float8_e8m0fnu, "F8_E8M0"),
+    (F8_E8M0_DTYPE, "F8_E8M0"),
     (torch.float8_e4m3fnuz, "F8_E4M3FNUZ"),
     (torch.float8_e5m2fnuz, "F8_E5M2FNUZ"),
-    (torch.float4_e2m1fn_x2, "F4"),
-]
+    (F4_DTYPE, "F4"),
+] if d is not None]
+
+def newer_dtype(dtype: torch.dtype | None, name: str) -> object:
+    """A ``pytest.param`` of ``dtype`` that skips on a torch without it (see :data:`F8_E8M0_DTYPE`)."""
+    return pytest.param(dtype, id=name, marks=pytest.mark.skipif(dtype is None, reason=f"this torch has no {name} dtype"))
+
 
 #: dtypes the official *bytes* loader (``safetensors.torch.load``) cannot build.
-OFFICIAL_BYTES_LOADER_MISSES = {torch.float8_e8m0fnu, torch.float4_e2m1fn_x2}
+OFFICIAL_BYTES_LOADER_MISSES = {d for d in (F8_E8M0_DTYPE, F4_DTYPE) if d is not None}
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -13,6 +13,16 @@ import torch
 SHARDED = ("w", "emb", "head", "i32", "flags", "bf", "f8", "e8m0", "f4")
 
 
+def newer_dtypes(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """F8_E8M0 and F4 tensors, where this torch has the dtypes (2.7 / 2.8 and later)."""
+    out = {}
+    if hasattr(torch, "float8_e8m0fnu"):
+        out["e8m0"] = torch.rand(5, 2, generator=g).mul(8).to(torch.float8_e8m0fnu)
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        out["f4"] = torch.randint(0, 256, (6, 2), generator=g, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    return out
+
+
 def full_state(seed: int = 0) -> dict[str, Any]:
     """The reference state: ``head`` is ``emb`` (tied), shapes that split unevenly over 2 and 4 ranks."""
     g = torch.Generator().manual_seed(seed)
@@ -27,12 +37,11 @@ def full_state(seed: int = 0) -> dict[str, Any]:
         "f16": torch.randn(3, 3, generator=g).half(),
         "f64": torch.randn(4, generator=g).double(),
         "f8": torch.randn(6, 4, generator=g).to(torch.float8_e4m3fn),
-        "e8m0": torch.rand(5, 2, generator=g).mul(8).to(torch.float8_e8m0fnu),
-        "f4": torch.randint(0, 256, (6, 2), generator=g, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
         "u8": torch.randint(0, 256, (7,), generator=g, dtype=torch.uint8),
         "i64": torch.arange(-3, 3),
         "scalar": torch.tensor(2.5),
         "empty": torch.zeros(0, 3),
+        **newer_dtypes(g),
         "step": 7,
         "extra": {"lr": float("inf"), "neg": float("-inf"), "nan": float("nan"), "name": "gpt", "flag": True,
                   "none": None, "t": (1, 2.5, None), "nested": [1, [2, {"a": "b"}]], "big": 2**70},

@@ -20,7 +20,7 @@ import fastckpt.torch
 from fastckpt import _core
 from fastckpt.errors import DtypeError, HeaderError, IntegrityError, MissingStateError
 
-single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+single_process = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 
 
 @pytest.fixture

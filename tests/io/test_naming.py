@@ -122,7 +122,7 @@ def test_other_folder_names_are_ignored(tmp_path):
 
 
 def test_next_number_is_largest_committed_plus_one(tmp_path):
-    """PYTHON_API: n = largest *committed* + 1 (an uncommitted checkpoint_7 does not count)."""
+    """README (API): n = largest *committed* + 1 (an uncommitted checkpoint_7 does not count)."""
     _committed(tmp_path, 5)
     (tmp_path / "checkpoints" / "checkpoint_7").mkdir()
     path = fastckpt.save_state(_linear(1.0), project_dir=tmp_path)

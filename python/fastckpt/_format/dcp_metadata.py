@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ __all__ = ["METADATA_FILE", "FORMAT", "ChunkLocation", "ParsedMetadata", "metada
 METADATA_FILE = "dcp_metadata.json"
 FORMAT = "fastckpt-dcp"
 FORMAT_VERSION = 1
+
+#: DCP's ``Metadata`` has a ``version`` field in newer torch (2.13); torch 2.7's has none (written as null, not passed)
+_METADATA_HAS_VERSION = "version" in {f.name for f in fields(Metadata)}
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], 
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "dcp_version": metadata.version,
+        "dcp_version": getattr(metadata, "version", None),
         "state_dict": entries,
         "planner_data": encode(metadata.planner_data, path="planner_data"),
         "storage_meta": None if meta is None else {
@@ -250,5 +253,5 @@ def parse_metadata(text: str | bytes, where: str) -> ParsedMetadata:
     version = _opt_str(doc.get("dcp_version"), where, "dcp_version")
     storage_data = {MetadataIndex(fqn, offsets): loc for (fqn, offsets), loc in parsed.chunks.items()}
     parsed.metadata = Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=storage_data,
-                               storage_meta=storage_meta, version=version)
+                               storage_meta=storage_meta, **({"version": version} if _METADATA_HAS_VERSION else {}))
     return parsed

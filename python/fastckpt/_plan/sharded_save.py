@@ -46,6 +46,7 @@ from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict, part_name, random_states_name
 from fastckpt._io.staging import OwnedPath, clean_leftovers
+from fastckpt._io.torch_compat import no_dist_kwargs
 from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.rng import rng_payload
 from fastckpt._state.sharded import model_tensors, optimizer_tensors, owner_model
@@ -115,7 +116,7 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
         else:
             with warnings.catch_warnings():  # "assuming the intent is to save/load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                call(state, no_dist=True, **storage)
+                call(state, **no_dist_kwargs(call, True), **storage)
     except CheckpointException as exc:
         failures = getattr(exc, "failures", None) or {}
         rank = session.rank

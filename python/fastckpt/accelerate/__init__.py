@@ -40,7 +40,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence, overload
 
 import torch
 
@@ -71,6 +71,26 @@ __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
 #: accelerate's ``save_model`` default; applies to fastckpt's layout (``compat="accelerate"`` is unsharded).
 DEFAULT_MAX_SHARD_SIZE = "10GB"
 _DEFAULT: Any = object()
+
+
+@overload
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = ..., *, model_only: bool = ...,
+               compat: str | None = ..., max_shard_size: int | str | None = ..., durable: bool = ..., threads: int = ...,
+               trainable_only: bool = ..., trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ...,
+               share_unchanged: bool = ..., timeout: float = ..., async_save: Literal[False] = ...,
+               host_memory_budget: int | str | None = ...) -> Path: ...
+@overload
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = ..., *, model_only: bool = ...,
+               compat: str | None = ..., max_shard_size: int | str | None = ..., durable: bool = ..., threads: int = ...,
+               trainable_only: bool = ..., trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ...,
+               share_unchanged: bool = ..., timeout: float = ..., async_save: Literal[True, "stream", "snapshot"],
+               host_memory_budget: int | str | None = ...) -> AsyncSave: ...
+@overload
+def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = ..., *, model_only: bool = ...,
+               compat: str | None = ..., max_shard_size: int | str | None = ..., durable: bool = ..., threads: int = ...,
+               trainable_only: bool = ..., trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ...,
+               share_unchanged: bool = ..., timeout: float = ..., async_save: bool | str = ...,
+               host_memory_budget: int | str | None = ...) -> Path | AsyncSave: ...
 
 
 def save_state(

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.location import check_location
 from fastckpt._io.object_store import OBJECT_SCHEMES
+from fastckpt._io.torch_compat import no_dist_kwargs
 from fastckpt.dcp.planner import LoadPlanner, SavePlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
@@ -84,7 +85,8 @@ def _single_process(no_dist: bool):
     """Without a process group DCP warns that it assumes one process; that is what these helpers mean."""
     with warnings.catch_warnings():
         if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)",  # 2.7+ | 2.6
+                                    category=UserWarning)
         yield
 
 
@@ -115,7 +117,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     try:
         with _single_process(no_dist):
             return _dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                             no_dist=no_dist)
+                             **no_dist_kwargs(_dcp.save, no_dist))
     except CheckpointException as exc:
         writer.abort()
         raise original_error(exc) from exc
@@ -144,7 +146,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     try:
         with _single_process(no_dist):
             _dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else LoadPlanner(),
-                      process_group=process_group, no_dist=no_dist)
+                      process_group=process_group, **no_dist_kwargs(_dcp.load, no_dist))
     except CheckpointException as exc:
         error = original_error(exc)
         if reader.metadata_error is not None and isinstance(error, AssertionError):

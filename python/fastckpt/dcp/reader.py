@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPStorageReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -25,6 +24,11 @@ from fastckpt._io.location import check_location
 from fastckpt._io.object_commit import fetched_checkpoint
 from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.errors import DtypeError, ShapeMismatchError
+
+try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it
+    from torch.distributed.checkpoint._traverse import set_element
+except ImportError:  # pragma: no cover - exercised by tests/integrations/test_torch_compat.py in a subprocess
+    from fastckpt.dcp.traverse import set_element
 
 __all__ = ["StorageReader"]
 
