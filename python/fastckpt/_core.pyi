@@ -302,7 +302,7 @@ class SafetensorsFile:
 
     def verify(self, tensors: Sequence[tuple[str, int]], *, file_crc32c: int | None = None,
                recorded_in: str = "fastckpt.json", threads: int = 0,
-               summed: Sequence[tuple[str, int]] = ()) -> tuple[int, int]:
+               summed: Sequence[tuple[str, int]] | None = None) -> tuple[int, int]:
         """Sum the bytes of ``tensors`` (``(name, recorded crc32c)``; with ``file_crc32c`` also the header, so
         every byte of the file) by parallel positional reads of the file, GIL released, and compare them with
         the recorded values. ``summed``: ``(name, crc32c)`` of tensors already summed by ``read_into(expect=)``:

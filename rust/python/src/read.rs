@@ -243,7 +243,7 @@ impl SafetensorsFile {
     /// by parallel positional reads, GIL released, and compare with the recorded values; raises IntegrityError
     /// naming the file and every damaged tensor. Returns `(bytes read, tensors compared)`.
     /// `summed`: `[(name, crc32c)]` of tensors already summed by `read_into(expect=...)`: not read again.
-    #[pyo3(signature = (tensors, *, file_crc32c = None, recorded_in = "fastckpt.json", threads = 0, summed = Vec::new()))]
+    #[pyo3(signature = (tensors, *, file_crc32c = None, recorded_in = "fastckpt.json", threads = 0, summed = None))]
     fn verify(
         &self,
         py: Python<'_>,
@@ -251,13 +251,13 @@ impl SafetensorsFile {
         file_crc32c: Option<u32>,
         recorded_in: &str,
         threads: usize,
-        summed: Vec<(String, u32)>,
+        summed: Option<Vec<(String, u32)>>,
     ) -> PyResult<(u64, usize)> {
         let expected = fastckpt_core::Expected {
             file_crc32c,
             tensors,
             recorded_in: recorded_in.to_string(),
-            summed,
+            summed: summed.unwrap_or_default(),
         };
         let done = py
             .detach(|| self.inner.verify(&expected, threads, DEFAULT_CHUNK_BYTES))
