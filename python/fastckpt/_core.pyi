@@ -282,12 +282,19 @@ class SafetensorsFile:
     def tensors(self) -> list[_TensorEntry]:
         """``(name, dtype, shape, begin, end)`` in file (offset) order."""
 
-    def read_into(self, targets: Sequence[tuple[str, Buffer]], *, threads: int = 0) -> None:
+    def read_into(self, targets: Sequence[tuple[str, Buffer]], *, threads: int = 0,
+                  expect: Sequence[int | None] | None = None, recorded_in: str = "fastckpt.json") -> None:
         """Fill each writable, C-contiguous buffer with its tensor's bytes by parallel positional reads of the
         file (not the mapping), GIL released. Buffers that overlap (aliases of one storage) are filled one after
         the other in list order, so the later target's bytes win where they overlap.
 
+        ``expect``: one recorded crc32c (or None: not compared) per target; each target's bytes are then summed
+        as they are read (1 MiB at a time, while still in the CPU cache) and compared. The buffers hold what was
+        read even when the sums differ, so use it for memory nothing else sees yet.
+
         Raises:
+            IntegrityError: with ``expect``, a target's crc32c differs (names the file, every damaged tensor, both
+                values and ``recorded_in``).
             KeyMismatchError: an unknown tensor name.
             ValueError: a buffer of the wrong size, read-only or non-contiguous, or the file was closed.
             TruncatedFileError, OSError: the file shrank or cannot be read.
@@ -306,10 +313,12 @@ class SafetensorsFile:
         """
 
     def verify(self, tensors: Sequence[tuple[str, int]], *, file_crc32c: int | None = None,
-               recorded_in: str = "fastckpt.json", threads: int = 0) -> tuple[int, int]:
+               recorded_in: str = "fastckpt.json", threads: int = 0,
+               summed: Sequence[tuple[str, int]] | None = None) -> tuple[int, int]:
         """Sum the bytes of ``tensors`` (``(name, recorded crc32c)``; with ``file_crc32c`` also the header, so
         every byte of the file) by parallel positional reads of the file, GIL released, and compare them with
-        the recorded values. Returns ``(bytes read, tensors compared)``.
+        the recorded values. ``summed``: ``(name, crc32c)`` of tensors already summed by ``read_into(expect=)``:
+        not read again, their values enter the whole-file crc32c. Returns ``(bytes read, tensors compared)``.
 
         Raises:
             IntegrityError: a tensor's crc32c differs (names the file, every damaged tensor and both values), a

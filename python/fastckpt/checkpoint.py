@@ -460,7 +460,8 @@ def load_state(
         if attempt:
             folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
         try:
-            with pinned(folder, verify=verify, threads=threads) as handle:  # one handle on the folder; sums each file
+            # one handle on the folder; every file summed before phase 2 (fresh targets as they are read)
+            with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
                 plan = plan_load(handle, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                  map_location=map_location, trust_pickle=trust_pickle, cast=cast)
                 files = opened_files(handle)
@@ -611,7 +612,7 @@ def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, str
     full: list = []
     error: BaseException | None = None
     try:
-        with pinned(folder, verify=verify, threads=threads) as handle:  # every file opened is summed first
+        with pinned(folder, verify=verify, threads=threads, defer=True) as handle:  # every file summed at the end
             full = plan_full(handle, models, [], model_only=True, strict=strict, layout=checkpoint_layout(handle))
     except Exception as exc:
         error = exc

@@ -80,6 +80,41 @@ def test_a_flip_in_a_single_file_is_refused_and_changes_nothing(saved, tmp_path,
     assert not _same(_snapshot(model, opt), before)
 
 
+def _fresh(seed: int):
+    """A model and an optimizer that has not stepped: the load reads the optimizer state into fresh tensors,
+    summing them as it reads (one pass), and sums the model file before phase 2."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("file,tensor", [
+    ("optimizer.safetensors", "state.2.weight.exp_avg"),
+    ("model.safetensors", "0.weight"),
+])
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_flip_is_refused_in_a_load_into_fresh_objects(saved, tmp_path, file, tensor, which):
+    folder = shutil.copytree(saved[which], tmp_path / "ckpt")
+    if which:
+        index = json.loads((folder / f"{file}.index.json").read_text())["weight_map"] \
+            if (folder / f"{file}.index.json").exists() else None
+        path = folder / (index[tensor] if index else file)
+    else:
+        path = folder / file
+    _flip_tensor(path, tensor, at=4097)
+    model, opt = _fresh(5)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(IntegrityError) as info:
+        fastckpt.load_state(model, opt, input_dir=folder)
+    assert str(info.value).startswith(f'{path}: tensor "{tensor}": crc32c ')
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert opt.state_dict()["state"] == {}  # the fresh state read before the check was never handed over
+    model2, opt2 = _fresh(5)
+    fastckpt.load_state(model2, opt2, input_dir=saved[which])  # intact: bit exact
+    ref_model, ref_opt = _state(0)
+    assert _same(_snapshot(model2, opt2), _snapshot(ref_model, ref_opt))
+
+
 def test_a_flip_in_a_hugging_face_shard_is_refused_and_changes_nothing(saved, tmp_path):
     folder = shutil.copytree(saved[1], tmp_path / "ckpt")
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]

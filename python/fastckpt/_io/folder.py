@@ -10,7 +10,10 @@ still name the real path. On top of that each file is tied to the manifest read 
   by one) carry the manifest's ``save_id`` in their metadata; every safetensors file has its size compared with the
   manifest's record on open, and (unless the load passed ``verify=False``) every byte of it summed by the Rust core
   (:meth:`fastckpt._core.SafetensorsFile.verify`: the crc32c of each tensor and of the whole file) before any of
-  its bytes is used: the load then reads them again from the page cache;
+  its bytes reaches a live object. A load whose phase 1 writes nothing live pins with ``defer=True``: tensors read
+  into fresh memory (:func:`read_fresh`) are summed as they are read, in the one pass, and the rest of each file
+  (the tensors bound for live memory, read again in phase 2 from the page cache, and the header) is summed when
+  the block ends, before phase 2;
 - small files read whole (JSON: scheduler, shard index, object states) have size and crc32c compared likewise;
 - a file the manifest does not list (a hand-edited manifest) is refused: :class:`~fastckpt.errors.IntegrityError`;
 - the folder removed under the reader (the previous checkpoint deleted after the commit), a manifest that changed
@@ -37,7 +40,7 @@ from fastckpt._io.layout import MANIFEST, SAVE_ID_KEY
 from fastckpt._io.log import log_file
 from fastckpt.errors import CheckpointChangedError, CheckpointError, IntegrityError
 
-__all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "verify_file", "RETRIES"]
+__all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "verify_file", "read_fresh", "RETRIES"]
 
 #: How many times ``load_state`` starts over when another save changed the folder under it.
 RETRIES = 5
@@ -50,10 +53,13 @@ _pins_lock = threading.Lock()
 class _Pin:
     """An opened folder: its fd, the name to show, and the manifest as first read through it."""
 
-    def __init__(self, fd: int, shown: str, *, verify: bool = True, threads: int = 0) -> None:
+    def __init__(self, fd: int, shown: str, *, verify: bool = True, threads: int = 0, defer: bool = False) -> None:
         self.fd = fd
         self.verify = verify  # sum every safetensors file opened (see the module docs)
+        self.defer = defer  # sum at the end of the pin what :func:`read_fresh` did not sum as it read
         self.threads = threads
+        # id(file) -> (file, record, {tensor: crc32c summed as read}): files whose sums are still owed
+        self.pending: dict[int, tuple[Any, dict, dict[str, int]]] = {}
         self.shown = shown
         self.prefix = f"{_PROC_FD}/{fd}"
         self.manifest_bytes: bytes | None = None
@@ -218,7 +224,11 @@ def open_safetensors(path: Path) -> Any:
         if "/" not in name:
             pin.check(name, file.file_size, None, (file.metadata() or {}).get(SAVE_ID_KEY))
             if pin.verify:
-                verify_file(file, pin.files.get(name), threads=pin.threads)
+                record = pin.files.get(name)
+                if pin.defer and _sums(record) is not None:
+                    pin.pending[id(file)] = (file, record, {})
+                else:
+                    verify_file(file, record, threads=pin.threads)
             pin.opened[name] = file.file_size
     log_file("opened", path, file.file_size)
     return file
@@ -231,28 +241,73 @@ def opened_files(path: Path) -> dict[str, int]:
     return {k: v for k, v in found[0].opened.items() if k != MANIFEST} if found is not None else {}
 
 
-def verify_file(file: Any, record: Any, *, threads: int = 0) -> None:
+def _sums(record: Any) -> tuple[int | None, dict[str, int]] | None:
+    """(whole-file crc32c, {tensor: crc32c}) of a manifest record, None when it records neither."""
+    if not isinstance(record, dict):
+        return None
+    crc, tensors = record.get("crc32c"), record.get("tensors")
+    if not (isinstance(crc, str) or isinstance(tensors, dict)):
+        return None
+    return (int(crc, 16) if isinstance(crc, str) else None,
+            {n: int(h, 16) for n, h in (tensors or {}).items()})
+
+
+def verify_file(file: Any, record: Any, *, threads: int = 0, summed: dict[str, int] | None = None) -> None:
     """Sum every byte of the opened ``file`` and compare with its manifest ``record`` (``{"crc32c", "tensors"}``;
-    nothing is checked for a record without them).
+    nothing is checked for a record without them). ``summed``: ``{tensor: crc32c}`` already summed as
+    :func:`read_fresh` read them (not read again).
 
     Raises:
         IntegrityError: a tensor (named, with both crc32c values) or the header differs from the record.
     """
-    if not isinstance(record, dict):
+    sums = _sums(record)
+    if sums is None:
         return
-    crc, tensors = record.get("crc32c"), record.get("tensors")
-    if isinstance(crc, str) or isinstance(tensors, dict):
-        file.verify([(n, int(h, 16)) for n, h in (tensors or {}).items()],
-                    file_crc32c=int(crc, 16) if isinstance(crc, str) else None, recorded_in=MANIFEST,
-                    threads=threads)
+    file_crc, tensors = sums
+    done = summed or {}
+    file.verify([(n, c) for n, c in tensors.items() if n not in done], file_crc32c=file_crc, recorded_in=MANIFEST,
+                threads=threads, summed=list(done.items()))
+
+
+def read_fresh(file: Any, targets: list[tuple[str, Any]], *, threads: int = 0) -> None:
+    """``file.read_into(targets)`` for buffers of fresh memory (no live object sees them before the load applies):
+    a file whose sums a pinned load still owes has each target summed as it is read (one pass over the bytes), and
+    those tensors are not read again by the pin's final check.
+
+    Raises:
+        IntegrityError: a target's bytes differ from the manifest's crc32c (the targets hold what was read).
+        As ``SafetensorsFile.read_into`` otherwise.
+    """
+    if hasattr(file, "read_fresh"):  # several shards read as one (fastckpt._io.shards.ShardedFile)
+        file.read_fresh(targets, threads=threads)
+        return
+    found = next((pin.pending[id(file)] for pin in list(_pins.values()) if id(file) in pin.pending), None)
+    if found is None:
+        file.read_into(targets, threads=threads)
+        return
+    _, record, summed = found
+    want = (_sums(record) or (None, {}))[1]
+    expect = [want.get(name) for name, _ in targets]
+    file.read_into(targets, threads=threads, expect=expect, recorded_in=MANIFEST)
+    summed.update((name, crc) for (name, _), crc in zip(targets, expect) if crc is not None)
+
+
+def _finish(pin: _Pin) -> None:
+    """Sum what the pin's files still owe (every byte :func:`read_fresh` did not sum, the headers included)."""
+    while pin.pending:
+        _, (file, record, summed) = pin.pending.popitem()
+        verify_file(file, record, threads=pin.threads, summed=summed)
 
 
 @contextlib.contextmanager
-def pinned(folder: Path, *, verify: bool = True, threads: int = 0) -> Iterator[Path]:
+def pinned(folder: Path, *, verify: bool = True, threads: int = 0, defer: bool = False) -> Iterator[Path]:
     """Open ``folder`` once; yield a :class:`PinnedPath` for it (``folder`` itself without ``/proc/self/fd``).
 
     ``verify``: sum every safetensors file opened through it against the manifest (see the module docs);
-    ``threads``: for those sums (0 = min(8, cores)).
+    ``threads``: for those sums (0 = min(8, cores)). ``defer``: sum each file when the block ends instead of when
+    it is opened, except the tensors :func:`read_fresh` summed as it read them; only for a block that writes
+    nothing live (phase 1 of a load), since its reads are checked only when it ends. Without ``/proc/self/fd``
+    every file is summed when opened.
 
     An error raised inside, when another save changed the folder meanwhile, becomes
     :class:`~fastckpt.errors.CheckpointChangedError` (the error it replaced is its cause).
@@ -261,11 +316,12 @@ def pinned(folder: Path, *, verify: bool = True, threads: int = 0) -> Iterator[P
         yield folder
         return
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    pin = _Pin(fd, str(folder), verify=verify, threads=threads)
+    pin = _Pin(fd, str(folder), verify=verify, threads=threads, defer=defer)
     with _pins_lock:
         _pins[pin.prefix] = pin
     try:
         yield PinnedPath(pin.prefix)
+        _finish(pin)
     except CheckpointChangedError:
         raise
     except (CheckpointError, OSError) as exc:

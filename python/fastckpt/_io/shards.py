@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _core
-from fastckpt._io.folder import open_safetensors
+from fastckpt._io.folder import open_safetensors, read_fresh
 from fastckpt.errors import HeaderError, IntegrityError, KeyMismatchError, MissingStateError
 
 __all__ = [
@@ -254,14 +254,22 @@ class ShardedFile:
         return [entry for f in self.files for entry in f.tensors()]
 
     def read_into(self, targets: list[tuple[str, Any]], *, threads: int = 0) -> None:
+        for file, items in self._split(targets).values():
+            file.read_into(items, threads=threads)
+
+    def read_fresh(self, targets: list[tuple[str, Any]], *, threads: int = 0) -> None:
+        """:func:`fastckpt._io.folder.read_fresh` of each shard's targets."""
+        for file, items in self._split(targets).values():
+            read_fresh(file, items, threads=threads)
+
+    def _split(self, targets: list[tuple[str, Any]]) -> dict[int, tuple[Any, list]]:
         by_file: dict[int, tuple[Any, list]] = {}
         for name, buf in targets:
             file = self._owner.get(name)
             if file is None:
                 raise KeyMismatchError(f"{self.path}: no tensor {name!r}")
             by_file.setdefault(id(file), (file, []))[1].append((name, buf))
-        for file, items in by_file.values():
-            file.read_into(items, threads=threads)
+        return by_file
 
 
 def open_state_file(folder: Path, base: str, what: str) -> Any:

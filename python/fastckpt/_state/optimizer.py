@@ -22,6 +22,7 @@ import torch
 
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._io.folder import read_fresh
 from fastckpt._state.key_match import canonical_fqn
 from fastckpt.errors import DtypeError, HeaderError, KeyMismatchError, ShapeMismatchError
 
@@ -371,7 +372,7 @@ def read_optimizer_state(
             targets.append((name, buf))
         elif on_device:
             to_device.append((name, t))
-    file.read_into(targets)
+    read_fresh(file, targets)  # fresh tensors: summed as they are read when the load defers its sums
     if to_device:
         from fastckpt._io.device_load import read_to_device
 

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::{MmapMut, MmapOptions};
 
@@ -15,6 +15,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
 use crate::sys;
+use crate::verify::PIECE;
 
 /// One positional read: (file offset, destination, index of the tensor's name).
 type ReadJob<'a> = (u64, &'a mut [u8], usize);
@@ -185,6 +186,15 @@ impl SafetensorsFile {
         threads: usize,
         chunk_bytes: u64,
     ) -> Result<()> {
+        let ranges = self.whole_targets(targets)?;
+        self.read_ranges_into(ranges, threads, chunk_bytes)
+    }
+
+    /// `(name, 0, target)` of each whole-tensor target, its length checked against the tensor's.
+    fn whole_targets<'a>(
+        &self,
+        targets: Vec<(String, &'a mut [u8])>,
+    ) -> Result<Vec<(String, u64, &'a mut [u8])>> {
         let mut ranges = Vec::with_capacity(targets.len());
         for (name, buf) in targets {
             let info = self.tensor(&name)?;
@@ -200,7 +210,7 @@ impl SafetensorsFile {
             }
             ranges.push((name, 0, buf));
         }
-        self.read_ranges_into(ranges, threads, chunk_bytes)
+        Ok(ranges)
     }
 
     /// Fill each `(name, offset, target)` with bytes `[offset, offset + target.len())` of that tensor's data (a
@@ -213,6 +223,31 @@ impl SafetensorsFile {
         threads: usize,
         chunk_bytes: u64,
     ) -> Result<()> {
+        self.read_ranges(targets, threads, chunk_bytes, false)
+            .map(|_| ())
+    }
+
+    /// [`read_into`](Self::read_into) that also returns the crc32c of each target's bytes (in target order),
+    /// summed as they are read: each positional read of at most [`PIECE`] bytes is summed right after it lands,
+    /// while it is still in the CPU cache, so the bytes cross memory once.
+    pub fn read_into_summed(
+        &self,
+        targets: Vec<(String, &mut [u8])>,
+        threads: usize,
+        chunk_bytes: u64,
+    ) -> Result<Vec<u32>> {
+        let ranges = self.whole_targets(targets)?;
+        self.read_ranges(ranges, threads, chunk_bytes, true)
+    }
+
+    /// The jobs of [`read_ranges_into`](Self::read_ranges_into), run; with `sum`, the crc32c of each target.
+    fn read_ranges(
+        &self,
+        targets: Vec<(String, u64, &mut [u8])>,
+        threads: usize,
+        chunk_bytes: u64,
+        sum: bool,
+    ) -> Result<Vec<u32>> {
         if chunk_bytes == 0 {
             return Err(Error::InvalidArgument(
                 "chunk_bytes must be at least 1".into(),
@@ -246,26 +281,63 @@ impl SafetensorsFile {
             }
             names.push(name);
         }
+        let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
+        let spans: Vec<(usize, usize)> = jobs
+            .iter()
+            .map(|j| {
+                let job = j.lock().expect("job lock");
+                let (_, piece, t) = job.as_ref().expect("not run yet");
+                (*t, piece.len())
+            })
+            .collect();
         pool::run::<(), _>(threads, jobs.len(), None, |_, j| {
             let (offset, piece, t) = jobs[j]
                 .lock()
                 .expect("job lock")
                 .take()
                 .expect("each job once");
-            file.read_exact_at(piece, offset).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    Error::Truncated {
-                        path: self.path.display().to_string(),
-                        what: format!("tensor {:?}", names[t]),
-                        expected: offset + piece.len() as u64,
-                        actual: file.metadata().map_or(0, |m| m.len()),
-                    }
-                } else {
-                    Error::io(&self.path, format!("reading tensor {:?}", names[t]), e)
-                }
-            })
+            let what = || format!("tensor {:?}", names[t]);
+            if !sum {
+                return self.read_exact_at(&file, piece, offset, what);
+            }
+            let mut crc = 0u32;
+            for (k, part) in piece.chunks_mut(PIECE).enumerate() {
+                self.read_exact_at(&file, part, offset + (k * PIECE) as u64, what)?;
+                crc = crc32c::crc32c_append(crc, part);
+            }
+            sums[j].set(crc).expect("each job once");
+            Ok(())
         })?;
-        Ok(())
+        let mut out = vec![0u32; if sum { names.len() } else { 0 }];
+        if sum {
+            for ((t, len), crc) in spans.into_iter().zip(sums) {
+                let crc = crc.into_inner().expect("every job ran");
+                out[t] = crc32c::crc32c_combine(out[t], crc, len);
+            }
+        }
+        Ok(out)
+    }
+
+    /// `read_exact_at` of `buf` at `offset`, a short file as [`Error::Truncated`] naming `what()`.
+    pub(crate) fn read_exact_at(
+        &self,
+        file: &File,
+        buf: &mut [u8],
+        offset: u64,
+        what: impl Fn() -> String,
+    ) -> Result<()> {
+        file.read_exact_at(buf, offset).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                Error::Truncated {
+                    path: self.path.display().to_string(),
+                    what: what(),
+                    expected: offset + buf.len() as u64,
+                    actual: file.metadata().map_or(0, |m| m.len()),
+                }
+            } else {
+                Error::io(&self.path, format!("reading {}", what()), e)
+            }
+        })
     }
 }
 

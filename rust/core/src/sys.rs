@@ -158,32 +158,6 @@ pub fn rename_exchange(a: &Path, b: &Path) -> io::Result<()> {
     }
 }
 
-/// Tell the kernel that `file` will be read from start to end (`POSIX_FADV_SEQUENTIAL`: a larger readahead
-/// window). Only a hint: errors are ignored.
-pub fn advise_sequential(file: &File) {
-    // SAFETY: plain syscall on an fd owned by `file`; no memory is passed. Errors are ignored on purpose.
-    unsafe {
-        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
-    }
-}
-
-/// Whether every page of `[ptr, ptr + len)` (inside one mapping) is in memory right now (`mincore`); false when
-/// the call fails. `ptr` need not be page-aligned.
-pub fn resident(ptr: *const u8, len: usize) -> bool {
-    if len == 0 {
-        return true;
-    }
-    // SAFETY: sysconf has no memory effects.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
-    let start = ptr as usize & !(page - 1);
-    let span = ptr as usize + len - start;
-    let mut vec = vec![0u8; span.div_ceil(page)];
-    // SAFETY: mincore only writes `vec`, sized one byte per page of the page-aligned span; the span lies in a
-    // mapping the caller holds, and mincore never touches its pages.
-    let rc = unsafe { libc::mincore(start as *mut libc::c_void, span, vec.as_mut_ptr()) };
-    rc == 0 && vec.iter().all(|v| v & 1 == 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,18 +1,18 @@
 //! Checking what a load reads against the checksums recorded when it was written: [`SafetensorsFile::verify`]
 //! sums the bytes of the tensors a load will read (and the header, for the whole-file crc32c) by parallel
-//! positional reads, as they come in from the disk (pieces already in the page cache are summed in place through
-//! the file's private mapping: no copy), and refuses any difference with [`Error::Integrity`]
-//! naming the file and every damaged tensor. A load calls it before it writes a byte into live memory, so a
-//! damaged checkpoint changes nothing; the bytes it read stay in the page cache for the load's own reads.
+//! positional reads of at most [`PIECE`] bytes into a reused buffer, each summed while it is still in the CPU
+//! cache, and refuses any difference with [`Error::Integrity`] naming the file and every damaged tensor. A load
+//! calls it before it writes a byte into live memory, so a damaged checkpoint changes nothing; the bytes it read
+//! stay in the page cache for the load's own reads. Bytes bound for fresh memory are summed as they are read
+//! instead ([`SafetensorsFile::read_into_checked`]: one pass), and `verify` then skips those tensors
+//! ([`Expected::summed`]).
 
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::reader::SafetensorsFile;
-use crate::sys;
 
 /// The checksums a load expects of one file, as its manifest records them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -23,6 +23,9 @@ pub struct Expected {
     pub tensors: Vec<(String, u32)>,
     /// Where the values were recorded, for messages (`"fastckpt.json"`).
     pub recorded_in: String,
+    /// `(tensor name, crc32c)` of tensors already summed as a load read them (and found equal to the record):
+    /// not read again, their values enter the whole-file crc32c.
+    pub summed: Vec<(String, u32)>,
 }
 
 /// What [`SafetensorsFile::verify`] read.
@@ -33,6 +36,9 @@ pub struct Verified {
     /// Tensors whose crc32c was compared.
     pub tensors: usize,
 }
+
+/// The largest positional read of a sum: small enough to stay in the CPU cache for the crc32c that follows.
+pub(crate) const PIECE: usize = 1 << 20;
 
 /// One run of bytes to sum: the tensor it belongs to (`None`: the header) and its absolute range.
 type Region = (Option<usize>, Range<u64>);
@@ -70,9 +76,29 @@ impl SafetensorsFile {
         if !absent.is_empty() {
             return Err(Error::Integrity(absent.join("\n")));
         }
+        let mut known: Vec<Option<u32>> = vec![None; want.len()];
+        for (name, crc) in &expected.summed {
+            if let Some(i) = self.tensor_index(name) {
+                known[i] = Some(*crc);
+            }
+        }
         let whole = expected.file_crc32c.is_some();
         let regions = self.regions(|i| whole || want[i].is_some());
-        let crcs = self.sum_regions(&regions, threads, chunk_bytes)?;
+        let unknown: Vec<Region> = regions
+            .iter()
+            .filter(|(t, _)| t.is_none_or(|i| known[i].is_none()))
+            .cloned()
+            .collect();
+        let mut summed = self
+            .sum_regions(&unknown, threads, chunk_bytes)?
+            .into_iter();
+        let crcs: Vec<u32> = regions
+            .iter()
+            .map(|(t, _)| match t.and_then(|i| known[i]) {
+                Some(crc) => crc,
+                None => summed.next().expect("one sum per unknown region"),
+            })
+            .collect();
         let mut got = vec![0u32; want.len()];
         let mut file_crc = 0u32;
         for ((tensor, range), crc) in regions.iter().zip(&crcs) {
@@ -106,9 +132,54 @@ impl SafetensorsFile {
             return Err(Error::Integrity(problems.join("\n")));
         }
         Ok(Verified {
-            bytes: regions.iter().map(|(_, r)| r.end - r.start).sum(),
+            bytes: unknown.iter().map(|(_, r)| r.end - r.start).sum(),
             tensors: want.iter().filter(|w| w.is_some()).count(),
         })
+    }
+
+    /// [`read_into`](Self::read_into) that sums each target's bytes as they are read and compares them with
+    /// `expect` (one recorded crc32c per target, `None`: not compared): the load's one pass over bytes bound
+    /// for fresh memory. The targets hold the bytes read even when this fails, so they must be memory nobody
+    /// uses yet.
+    ///
+    /// Errors: as [`read_into`](Self::read_into); [`Error::Integrity`] naming the file, every damaged tensor
+    /// and both crc32c values; `expect` of another length than `targets` is [`Error::InvalidArgument`].
+    pub fn read_into_checked(
+        &self,
+        targets: Vec<(String, &mut [u8])>,
+        expect: &[Option<u32>],
+        recorded_in: &str,
+        threads: usize,
+        chunk_bytes: u64,
+    ) -> Result<()> {
+        if expect.len() != targets.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} recorded crc32c values for {} targets",
+                self.path().display(),
+                expect.len(),
+                targets.len()
+            )));
+        }
+        let names: Vec<String> = targets.iter().map(|(n, _)| n.clone()).collect();
+        let got = self.read_into_summed(targets, threads, chunk_bytes)?;
+        let problems: Vec<String> = names
+            .iter()
+            .zip(got.iter().zip(expect))
+            .filter_map(|(name, (got, want))| {
+                want.filter(|w| w != got).map(|w| {
+                    format!(
+                        "{}: tensor {name:?}: crc32c {got:08x} read, {w:08x} recorded in {recorded_in} (the file \
+                         is damaged)",
+                        self.path().display()
+                    )
+                })
+            })
+            .collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Integrity(problems.join("\n")))
+        }
     }
 
     /// The regions to sum in file order: the header and every tensor when `all` holds for each, else the
@@ -142,7 +213,6 @@ impl SafetensorsFile {
         chunk_bytes: u64,
     ) -> Result<Vec<u32>> {
         let file = self.handle("verify")?;
-        sys::advise_sequential(&file);
         let mut jobs: Vec<(usize, Range<u64>)> = Vec::new();
         for (k, (_, r)) in regions.iter().enumerate() {
             let mut at = r.start;
@@ -153,46 +223,33 @@ impl SafetensorsFile {
             }
         }
         let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
-        let (map, map_len) = self.mapping();
-        let map_addr = map.as_ptr() as usize; // an address (Send + Sync) of the private mapping, if any
         pool::run::<Vec<u8>, _>(threads, jobs.len(), None, |buf, j| {
             let (k, range) = &jobs[j];
             let len = (range.end - range.start) as usize;
-            if range.end as usize <= map_len
-                && sys::resident((map_addr + range.start as usize) as *const u8, len)
-            {
-                // SAFETY: the range lies inside the mapping (checked against its length), which lives as long as
-                // `self`; its pages are in memory (so reading them costs no I/O and no copy). A load verifies a
-                // file it has just opened, before anyone holds a view of the mapping that could write into it.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts((map_addr + range.start as usize) as *const u8, len)
-                };
-                sums[j].set(crc32c::crc32c(bytes)).expect("each job once");
-                return Ok(());
+            // Positional reads of at most PIECE bytes into one reused buffer, each summed while it is still in
+            // the CPU cache: from the page cache this costs a cache-hot copy (no page faults of a mapping, no
+            // write to main memory), from the disk the read itself.
+            let piece = len.min(PIECE);
+            if buf.len() < piece {
+                buf.resize(piece, 0);
             }
-            if buf.len() < len {
-                buf.resize(len, 0);
-            }
-            file.read_exact_at(&mut buf[..len], range.start)
-                .map_err(|e| match e.kind() {
-                    std::io::ErrorKind::UnexpectedEof => Error::Truncated {
-                        path: self.path().display().to_string(),
-                        what: match regions[*k].0 {
-                            Some(i) => format!("tensor {:?}", self.tensors()[i].name),
-                            None => "the header".into(),
-                        },
-                        expected: range.end,
-                        actual: file.metadata().map_or(0, |m| m.len()),
+            let mut crc = 0u32;
+            let mut at = 0usize;
+            while at < len {
+                let n = piece.min(len - at);
+                self.read_exact_at(
+                    &file,
+                    &mut buf[..n],
+                    range.start + at as u64,
+                    || match regions[*k].0 {
+                        Some(i) => format!("tensor {:?}", self.tensors()[i].name),
+                        None => "the header".into(),
                     },
-                    _ => Error::io(
-                        self.path(),
-                        format!("verifying {len} bytes at offset {}", range.start),
-                        e,
-                    ),
-                })?;
-            sums[j]
-                .set(crc32c::crc32c(&buf[..len]))
-                .expect("each job once");
+                )?;
+                crc = crc32c::crc32c_append(crc, &buf[..n]);
+                at += n;
+            }
+            sums[j].set(crc).expect("each job once");
             Ok(())
         })?;
         let mut out = vec![0u32; regions.len()];

@@ -42,6 +42,7 @@ fn expected(file: Option<u32>, tensors: &[(&str, u32)]) -> Expected {
         file_crc32c: file,
         tensors: tensors.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
         recorded_in: "fastckpt.json".into(),
+        summed: Vec::new(),
     }
 }
 
@@ -138,4 +139,98 @@ fn a_closed_file_is_an_invalid_argument() {
         .verify(&expected(None, &[("a", a)]), 1, 1 << 20)
         .unwrap_err();
     assert_eq!(e.kind(), "InvalidArgument");
+}
+
+#[test]
+fn reads_sum_each_target_as_it_lands_in_any_chunking() {
+    let dir = tempfile::tempdir().unwrap();
+    // over 2 x PIECE, not a multiple of it: the sums run over several pieces per job and a short last one
+    let big: Vec<u8> = (0..(2 * PIECE + 4_100) as u32)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    let path = dir.path().join("big.safetensors");
+    let sources = vec![TensorSource {
+        name: "big".into(),
+        dtype: Dtype::U8,
+        shape: vec![big.len() as u64],
+        data: &big[..],
+        byte_offset: 0,
+        byte_strides: None,
+        convert_to: None,
+    }];
+    write_file(&path, sources, None, &WriteOptions::default()).unwrap();
+    let f = SafetensorsFile::open(&path).unwrap();
+    for chunk in [777, PIECE as u64 + 1, 8 << 20] {
+        let mut out = vec![0u8; big.len()];
+        let got = f
+            .read_into_summed(vec![("big".into(), &mut out[..])], 2, chunk)
+            .unwrap();
+        assert_eq!(got, vec![crc32c::crc32c(&big)]);
+        assert_eq!(out, big);
+    }
+    let (path, (_, a, b)) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    let (mut ba, mut bb) = (vec![0u8; 40_000], vec![0u8; 6]);
+    let got = f
+        .read_into_summed(
+            vec![("b".into(), &mut bb[..]), ("a".into(), &mut ba[..])],
+            3,
+            1000,
+        )
+        .unwrap();
+    assert_eq!(got, vec![b, a]);
+}
+
+#[test]
+fn a_checked_read_names_the_damaged_tensor_and_skips_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (_, a, b)) = written(dir.path());
+    let data_start = SafetensorsFile::open(&path).unwrap().data_start();
+    flip(&path, data_start + 1234); // inside "a"
+    let f = SafetensorsFile::open(&path).unwrap();
+    let (mut ba, mut bb) = (vec![0u8; 40_000], vec![0u8; 6]);
+    let err = f
+        .read_into_checked(
+            vec![("a".into(), &mut ba[..]), ("b".into(), &mut bb[..])],
+            &[Some(a), Some(b)],
+            "fastckpt.json",
+            2,
+            4096,
+        )
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::Integrity(_)), "{msg}");
+    assert!(msg.contains("tensor \"a\": crc32c "), "{msg}");
+    assert!(
+        msg.contains(&format!("{a:08x} recorded in fastckpt.json")),
+        "{msg}"
+    );
+    assert!(!msg.contains("tensor \"b\""), "{msg}");
+    // not compared: reads as it is
+    f.read_into_checked(vec![("a".into(), &mut ba[..])], &[None], "x", 2, 4096)
+        .unwrap();
+    let err = f
+        .read_into_checked(vec![("b".into(), &mut bb[..])], &[], "x", 2, 4096)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)));
+}
+
+#[test]
+fn tensors_summed_as_read_are_not_read_again_and_still_enter_the_file_crc() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (file, a, b)) = written(dir.path());
+    let f = SafetensorsFile::open(&path).unwrap();
+    let mut e = expected(Some(file), &[("b", b)]);
+    e.summed = vec![("a".into(), a)];
+    let done = f.verify(&e, 2, 4096).unwrap();
+    assert_eq!(
+        done,
+        Verified {
+            bytes: f.file_size() - 40_000,
+            tensors: 1
+        }
+    );
+    e.summed = vec![("a".into(), a ^ 1)]; // a wrong value handed in: the whole-file crc32c no longer adds up
+    let err = f.verify(&e, 2, 4096).unwrap_err();
+    assert!(err.to_string().contains("outside every tensor"), "{err}");
 }

@@ -102,14 +102,28 @@ impl SafetensorsFile {
     }
 
     /// Fill each `(name, buffer)` target (writable, C-contiguous, exactly the tensor's size) with the
-    /// tensor's bytes by parallel positional reads, GIL released.
-    #[pyo3(signature = (targets, *, threads = 0))]
+    /// tensor's bytes by parallel positional reads, GIL released. `expect`: one recorded crc32c (or None) per
+    /// target: each target's bytes are summed as they are read and compared (IntegrityError naming every
+    /// damaged tensor, `recorded_in` the record's file; the targets hold what was read).
+    #[pyo3(signature = (targets, *, threads = 0, expect = None, recorded_in = "fastckpt.json"))]
     fn read_into(
         &self,
         py: Python<'_>,
         targets: &Bound<'_, PyList>,
         threads: usize,
+        expect: Option<Vec<Option<u32>>>,
+        recorded_in: &str,
     ) -> PyResult<()> {
+        if let Some(e) = &expect {
+            if e.len() != targets.len() {
+                return Err(PyValueError::new_err(format!(
+                    "{}: {} recorded crc32c values for {} targets",
+                    self.inner.path().display(),
+                    e.len(),
+                    targets.len()
+                )));
+            }
+        }
         let mut held: Vec<(String, PyUntypedBuffer)> = Vec::with_capacity(targets.len());
         for item in targets.iter() {
             let (name, obj): (String, Bound<'_, PyAny>) = item.extract()?;
@@ -148,8 +162,24 @@ impl SafetensorsFile {
                         (names[i].to_string(), slice)
                     })
                     .collect();
-                self.inner
-                    .read_into(targets, threads, DEFAULT_CHUNK_BYTES)?;
+                match &expect {
+                    None => self
+                        .inner
+                        .read_into(targets, threads, DEFAULT_CHUNK_BYTES)?,
+                    Some(e) => {
+                        let want: Vec<Option<u32>> = (0..spans.len())
+                            .filter(|&i| rounds[i] == round)
+                            .map(|i| e[i])
+                            .collect();
+                        self.inner.read_into_checked(
+                            targets,
+                            &want,
+                            recorded_in,
+                            threads,
+                            DEFAULT_CHUNK_BYTES,
+                        )?
+                    }
+                }
             }
             Ok(())
         })
@@ -212,7 +242,8 @@ impl SafetensorsFile {
     /// Sum the bytes of `tensors` (`[(name, recorded crc32c)]`; with `file_crc32c` the header and every tensor)
     /// by parallel positional reads, GIL released, and compare with the recorded values; raises IntegrityError
     /// naming the file and every damaged tensor. Returns `(bytes read, tensors compared)`.
-    #[pyo3(signature = (tensors, *, file_crc32c = None, recorded_in = "fastckpt.json", threads = 0))]
+    /// `summed`: `[(name, crc32c)]` of tensors already summed by `read_into(expect=...)`: not read again.
+    #[pyo3(signature = (tensors, *, file_crc32c = None, recorded_in = "fastckpt.json", threads = 0, summed = None))]
     fn verify(
         &self,
         py: Python<'_>,
@@ -220,11 +251,13 @@ impl SafetensorsFile {
         file_crc32c: Option<u32>,
         recorded_in: &str,
         threads: usize,
+        summed: Option<Vec<(String, u32)>>,
     ) -> PyResult<(u64, usize)> {
         let expected = fastckpt_core::Expected {
             file_crc32c,
             tensors,
             recorded_in: recorded_in.to_string(),
+            summed: summed.unwrap_or_default(),
         };
         let done = py
             .detach(|| self.inner.verify(&expected, threads, DEFAULT_CHUNK_BYTES))
