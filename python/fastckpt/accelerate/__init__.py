@@ -46,7 +46,6 @@ from fastckpt._io.layout import (
     random_states_name,
     rotate_checkpoints,
 )
-from fastckpt._io.location import check_location
 from fastckpt._io.log import log_load
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.save import build_save_plan
@@ -54,6 +53,14 @@ from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, rng_payload
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
+from fastckpt.accelerate.remote import (
+    check_remote_save,
+    choose_remote_target,
+    fetched_on_every_rank,
+    remote_location,
+    set_remote_iteration,
+    write_remote,
+)
 from fastckpt.checkpoint import LoadResult
 from fastckpt.errors import MissingStateError
 
@@ -107,7 +114,7 @@ def save_state(
     timeout: float = DEFAULT_TIMEOUT,
     async_save: bool | str = False,
     host_memory_budget: int | str | None = None,
-) -> Path | AsyncSave:
+) -> Path | AsyncSave | str:
     """Save everything ``accelerator`` tracks (or only the model weights) to a checkpoint folder, crash-safely.
 
     Args:
@@ -138,8 +145,16 @@ def save_state(
             completes after the one atomic commit on the main process (and raises on every process if it failed).
         host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True``).
 
+    Object storage: ``output_dir="s3://bucket/prefix"``, or ``ProjectConfiguration(project_dir="s3://bucket/run",
+    automatic_checkpoint_naming=True, total_limit=...)`` with ``output_dir=None`` (numbered and rotated by
+    committed manifests): the main process writes every process's files (one RNG file per process) into a private
+    local folder and uploads them as one commit (see :mod:`fastckpt.accelerate.remote`; S3 settings from the
+    ``AWS_*`` environment). Not with FSDP2, ``async_save``, ``share_unchanged`` or save-state pre-hooks
+    (ValueError).
+
     Returns:
-        The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``.
+        The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``; for
+        ``s3://``, the checkpoint's URL (a ``str``).
 
     Raises:
         ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``.
@@ -153,10 +168,14 @@ def save_state(
         >>> model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         >>> path = fastckpt.accelerate.save_state(accelerator, "ckpt")
     """
-    check_location(output_dir, "output_dir")
-    check_location(getattr(accelerator, "project_dir", None), "project_dir")
+    remote, project = remote_location(accelerator, output_dir, "output_dir")
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
+    if remote is not None or (project is not None and output_dir is None):
+        check_remote_save(fsdp=fsdp, async_save=async_save, share_unchanged=share_unchanged,
+                          hooks=list(accelerator._save_model_state_pre_hook.values()))
+    else:
+        remote = project = None
     if compat is not None and (trainable_only or dtype is not None or share_unchanged):
         raise ValueError("trainable_only, dtype and share_unchanged need fastckpt's layout; pass compat=None")
     if async_save not in (False, True, "snapshot"):
@@ -177,8 +196,12 @@ def save_state(
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
-                             what="choosing the checkpoint folder", timeout=timeout)
+    if remote is not None or project is not None:
+        target, number = on_main(lambda: choose_remote_target(accelerator, remote, project, model_only),
+                                 what="choosing the checkpoint", timeout=timeout)
+    else:
+        target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
+                                 what="choosing the checkpoint folder", timeout=timeout)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
     full_optimizers = None
@@ -243,9 +266,12 @@ def save_state(
         if number is not None and limit is not None:
             rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)
 
-    def write() -> Path:
+    def write() -> Path | str:
         from fastckpt._io.commit import write_checkpoint
 
+        if remote is not None or project is not None:  # one commit of every process's files, made by this one
+            return write_remote(accelerator, target, number, lambda folder: write_checkpoint(
+                build(), folder, durable=False, threads=threads), model_only=model_only)
         write_checkpoint(build(), target, durable=durable, threads=threads)
         rotate()
         return target
@@ -318,6 +344,10 @@ def load_state(
         cast: cast model weights stored in another dtype to the live dtype (as torch's ``load_state_dict``);
             default False refuses them (DtypeError).
 
+    Object storage: an ``s3://`` ``input_dir`` (or, with ``input_dir=None``, an ``s3://`` ``project_dir``: its
+    latest committed checkpoint): the main process picks it, every process downloads it (crc32c checked) into a
+    private folder, and the processes check they fetched the same committed save before anything is applied.
+
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the models. Also sets ``accelerator.step`` from the RNG
         file and, when the folder is ``{project_dir}/checkpoints/checkpoint_N``, ``project_configuration.iteration``
@@ -336,14 +366,30 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
-    check_location(input_dir, "input_dir")
-    check_location(getattr(accelerator, "project_dir", None), "project_dir")
+    remote, project = remote_location(accelerator, input_dir, "input_dir")
     fsdp = _check_supported(accelerator)
     timeout = check_timeout(timeout)
+    if remote is not None or (project is not None and input_dir is None):
+        if fsdp is not None:
+            raise ValueError("FSDP2 states do not load from s3:// yet; download the checkpoint and load it locally")
+        with fetched_on_every_rank(remote, project, model_only=model_only, timeout=timeout) as (chosen, folder):
+            result = _load_folder(accelerator, folder, model_only=model_only, strict=strict,
+                                  map_location=map_location, trust_pickle=trust_pickle, threads=threads,
+                                  timeout=timeout, cast=cast, fsdp=fsdp)
+        set_remote_iteration(accelerator, chosen)
+        return result
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
                      timeout=timeout)
     wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
                       else project_root(accelerator) / "checkpoints")
+    result = _load_folder(accelerator, folder, model_only=model_only, strict=strict, map_location=map_location,
+                          trust_pickle=trust_pickle, threads=threads, timeout=timeout, cast=cast, fsdp=fsdp)
+    set_iteration(accelerator, folder)
+    return result
+
+
+def _load_folder(accelerator: Any, folder: Path, *, model_only: bool, strict: bool, map_location: Any,
+                 trust_pickle: bool, threads: int, timeout: float, cast: bool, fsdp: str | None) -> LoadResult:
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(models, str(folder))  # a hook may take models out of the list (it loaded them itself)
@@ -352,7 +398,6 @@ def load_state(
     if is_sharded_checkpoint(folder) or fsdp == "SHARDED_STATE_DICT":
         result = load_sharded_state(accelerator, folder, targets, model_only=model_only, strict=strict,
                                trust_pickle=trust_pickle, timeout=timeout)
-        set_iteration(accelerator, folder)
         return result
     plan, error = None, None
     full: list = []
@@ -396,5 +441,4 @@ def load_state(
     log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     if plan.rng is not None:
         accelerator.step = plan.rng.step
-    set_iteration(accelerator, folder)
     return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
