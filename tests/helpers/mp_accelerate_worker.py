@@ -10,6 +10,8 @@ D: rank 1's RNG file damaged -> rank 1 raises HeaderError, rank 0 CheckpointErro
 E: the main process cannot write -> it raises its OSError, rank 1 CheckpointError; the group stays usable.
 F: ``async_save=True`` while three DDP steps run: every rank's handle completes after the one commit, which holds
    the values at the call; a failed async write raises on every rank's ``wait()``.
+G: as A with an ``s3://`` project_dir (``FASTCKPT_TEST_S3_URL``, the moto server in ``AWS_*``): both ranks' RNG
+   files in the one commit, every rank restores its own streams from the latest remote checkpoint.
 """
 
 from __future__ import annotations
@@ -206,10 +208,31 @@ def scenario_f(rank: int) -> None:
         checks["F_error"] = type(exc).__name__
 
 
+def scenario_g(rank: int) -> None:
+    import os
+
+    config = dict(project_dir=os.environ["FASTCKPT_TEST_S3_URL"], automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(**config))
+    model, opt, sched = prepared(acc, 0, steps=2)
+    acc.step = 3
+    seed_rngs(100 + rank)
+    checks["G_urls"] = [fastckpt.accelerate.save_state(acc) for _ in range(3)]
+    expected, after = state(acc, model, opt, sched), draws()
+
+    acc2 = Accelerator(cpu=True, project_config=ProjectConfiguration(**config))
+    model2, opt2, sched2 = prepared(acc2, 7)
+    seed_rngs(999)
+    fastckpt.accelerate.load_state(acc2)
+    checks["G_state_equal"] = same(state(acc2, model2, opt2, sched2), expected)
+    checks["G_draws_equal"] = draws() == after
+    checks["G_step"] = acc2.step
+    checks["G_iteration"] = acc2.project_configuration.iteration
+
+
 def main() -> None:
     rank = int(dist.get_rank()) if dist.is_initialized() else int(__import__("os").environ.get("RANK", 0))
     try:
-        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f):
+        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f, scenario_g):
             scenario(rank)
     except Exception:
         checks["crash"] = traceback.format_exc()
