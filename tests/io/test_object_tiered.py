@@ -167,3 +167,25 @@ def test_a_process_killed_before_the_upload_committed_leaves_the_previous_remote
     assert latest == f"{s3_url}/checkpoints/checkpoint_0"
     assert loaded_fingerprint(latest, 1) == expected_fingerprint(1, 1)
     assert loaded_fingerprint(tmp_path / "checkpoints" / "checkpoint_1", 40) == expected_fingerprint(2, 40)
+
+
+def test_a_normal_exit_finishes_the_upload(s3_url, tmp_path):
+    script = ("import sys; sys.path.insert(0, sys.argv[3]); import fastckpt; from helpers.crash_worker import "
+              "build_state; fastckpt.save_state(*build_state(6, 1), output_dir=sys.argv[1], remote=sys.argv[2])")
+    tests = str(WORKER.parents[1])
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt"), s3_url, tests], env=worker_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert loaded_fingerprint(s3_url, 1) == expected_fingerprint(6, 1)
+
+
+@pytest.mark.parametrize("where, match", [
+    ({"output_dir": "ckpt", "remote": "/mnt/backup"}, "not an s3:// URL"),
+    ({"output_dir": "s3://b/x", "remote": "s3://b/y"}, "local tier"),
+    ({"output_dir": "ckpt", "remote": "gs://b/y"}, "gs://"),
+])
+def test_bad_tiers_are_refused_before_anything_is_written(where, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        fastckpt.save_state(*build_state(1, 1), **where)
+    assert list(tmp_path.iterdir()) == []
