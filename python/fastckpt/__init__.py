@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastckpt._io.async_writer import AsyncSave, release_buffers
 from fastckpt._io.integrity import VerifyReport, check_checkpoint
+from fastckpt._io.object_tiered import TieredSave
 from fastckpt._state.rng import RngRestoreWarning
 from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, latest_checkpoint, load_state, save_state, verify_checkpoint
@@ -63,6 +64,7 @@ __all__ = [
     "VerifyReport",
     "LoadResult",
     "AsyncSave",
+    "TieredSave",
     "RngRestoreWarning",
     "CheckpointError",
     "HeaderError",

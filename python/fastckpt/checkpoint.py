@@ -28,6 +28,8 @@ from fastckpt._io.layout import latest_checkpoint as _latest_local
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
 from fastckpt._io.log import log_load
 from fastckpt._io.object_api import fetched, latest_remote, remote_target, save_remote
+from fastckpt._io.object_store import remote_url
+from fastckpt._io.object_tiered import TieredSave, finish_tiered, start_tiered
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
@@ -173,7 +175,8 @@ def save_state(
     timeout: float = DEFAULT_TIMEOUT,
     host_memory_budget: int | str | None = None,
     storage_options: Mapping[str, Any] | None = None,
-) -> Path | AsyncSave | str:
+    remote: str | None = None,
+) -> Path | AsyncSave | str | TieredSave:
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
     Mirrors ``accelerate.Accelerator.save_state``'s layout and file names without pickle; see
@@ -247,6 +250,13 @@ def save_state(
             keys) and the transfer: ``part_size`` (bytes, default 16 MiB), ``concurrency`` (requests in flight,
             default 16), ``max_retries`` (default 10), ``retry_timeout`` (seconds, default 180), ``retry_backoff``
             (first backoff in seconds, default 0.1, doubling up to 15 s).
+        remote: an ``s3://`` URL for a tiered save: the checkpoint is committed locally first (as without it,
+            ``async_save`` included), then that folder is uploaded in the background and committed at ``remote``
+            (with automatic naming ``remote`` is a project prefix and the local name is used under it:
+            ``{remote}/checkpoints/checkpoint_{n}``; ``total_limit`` rotates both tiers, the remote one after the
+            newer remote commit). Returns a :class:`~fastckpt._io.object_tiered.TieredSave`; until its upload
+            committed, the previous remote checkpoint is the latest. The next tiered save first waits for the
+            upload in flight (raising its error if no ``wait()`` did).
 
     Object storage: ``output_dir="s3://bucket/prefix"`` (or ``project_dir="s3://bucket/run"`` for automatic naming
     and ``total_limit`` rotation) writes the checkpoint in a private local folder, uploads every file under a new
@@ -261,7 +271,8 @@ def save_state(
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
-        ``wait()`` returns it once committed; for ``s3://``, the checkpoint's URL (a ``str``).
+        ``wait()`` returns it once committed; for ``s3://``, the checkpoint's URL (a ``str``); with ``remote``, a
+        :class:`~fastckpt._io.object_tiered.TieredSave` (``wait_local()``, ``wait()`` for the remote commit).
 
     Raises:
         DtypeError: a tensor dtype the format cannot store (names the tensor).
@@ -286,6 +297,13 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
+    if remote is not None:
+        return _save_tiered(remote, model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
+                            project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
+                            threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                            trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget,
+                            storage_options=storage_options)
     remote, project = remote_target(output_dir, project_dir, "output_dir")
     if remote is not None or project is not None:
         if async_save or share_unchanged or is_sharded(_as_list(model, "model")):
@@ -347,6 +365,26 @@ def save_state(
     write(plan, target)
     after()
     return target.absolute()
+
+
+def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any, project_dir: Any,
+                 storage_options: Mapping[str, Any] | None, model_only: bool, total_limit: int | None,
+                 **kwargs: Any) -> TieredSave:
+    url = remote_url(remote, "remote")
+    if url is None:
+        raise ValueError(f"remote={remote!r} is not an s3:// URL; a tiered save uploads to object storage")
+    local, project = remote_target(output_dir, project_dir, "output_dir")
+    if local is not None or project is not None:
+        raise ValueError("with remote=, output_dir / project_dir are the local tier: pass local folders")
+    if is_sharded(_as_list(model, "model")):
+        raise ValueError("sharded (DTensor / FSDP2) models do not save to s3:// yet; save locally")
+    finish_tiered()
+    saved = save_state(model, optimizer, scheduler, output_dir=output_dir, project_dir=project_dir,
+                       model_only=model_only, total_limit=total_limit, **kwargs)
+    assert isinstance(saved, (Path, AsyncSave))
+    root = Path(project_dir if project_dir is not None else os.getcwd()).absolute() if output_dir is None else None
+    return start_tiered(saved, url, project_root=root, model_only=model_only, total_limit=total_limit,
+                        storage_options=storage_options)
 
 
 def load_state(

@@ -2,7 +2,7 @@
 tests/test_concurrent_saves.py, tests/test_resource_faults.py run it, sometimes under strace).
 
     python tests/helpers/crash_worker.py SEED MB TARGET [--auto] [--threads N] [--repeat K] [--go] [--as-user UID]
-                                         [--hold-manifest]
+                                         [--hold-manifest] [--remote URL]
 
 Builds :func:`build_state` (deterministic in SEED: a model of MB mebibytes of float32 weights, AdamW after one step,
 StepLR), prints ``ready`` and flushes (with ``--go``, then waits for a line on stdin), then calls ``fastckpt.save_state`` (``output_dir=TARGET``, or
@@ -86,8 +86,13 @@ def main(argv: list[str]) -> int:
     try:
         for _ in range(repeat):
             where = {"project_dir": target} if auto else {"output_dir": target}
+            if "--remote" in argv:  # a tiered save: committed locally, then uploaded; waits for the remote commit
+                where["remote"] = argv[argv.index("--remote") + 1]
             t0 = time.monotonic()
             path = fastckpt.save_state(model, opt, sched, threads=threads, step=seed, **where)
+            if "--remote" in argv:
+                print(f"local {path.wait_local()}", flush=True)
+                path = path.wait()
             print(f"saved {path} {time.monotonic() - t0:.4f}", flush=True)
     except Exception as exc:  # reported to the parent, which asserts on it
         print(f"error {type(exc).__name__} {getattr(exc, 'errno', None)} {exc}", flush=True)

@@ -14,6 +14,8 @@ G: a shuffled DataLoader (accelerate's default sampler): saved after epoch 0, re
    resumed epoch 1 (batches, final weights, RNG draws) equals the uninterrupted run's; the checkpoint is also
    loaded by one process in tests/integrations/test_multiprocess.py. A compat="accelerate" save cannot hold the
    shuffling generator: its load warns.
+H: as A with an ``s3://`` project_dir (``FASTCKPT_TEST_S3_URL``, the moto server in ``AWS_*``): both ranks' RNG
+   files in the one commit, every rank restores its own streams from the latest remote checkpoint.
 """
 
 from __future__ import annotations
@@ -256,10 +258,31 @@ def scenario_g(rank: int) -> None:
     checks["G_compat_warnings"] = [str(w.message) for w in caught]
 
 
+def scenario_h(rank: int) -> None:
+    import os
+
+    config = dict(project_dir=os.environ["FASTCKPT_TEST_S3_URL"], automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(**config))
+    model, opt, sched = prepared(acc, 0, steps=2)
+    acc.step = 3
+    seed_rngs(100 + rank)
+    checks["H_urls"] = [fastckpt.accelerate.save_state(acc) for _ in range(3)]
+    expected, after = state(acc, model, opt, sched), draws()
+
+    acc2 = Accelerator(cpu=True, project_config=ProjectConfiguration(**config))
+    model2, opt2, sched2 = prepared(acc2, 7)
+    seed_rngs(999)
+    fastckpt.accelerate.load_state(acc2)
+    checks["H_state_equal"] = same(state(acc2, model2, opt2, sched2), expected)
+    checks["H_draws_equal"] = draws() == after
+    checks["H_step"] = acc2.step
+    checks["H_iteration"] = acc2.project_configuration.iteration
+
+
 def main() -> None:
     rank = int(dist.get_rank()) if dist.is_initialized() else int(__import__("os").environ.get("RANK", 0))
     try:
-        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f, scenario_g):
+        for scenario in (scenario_a, scenario_b, scenario_c, scenario_d, scenario_e, scenario_f, scenario_g, scenario_h):
             scenario(rank)
     except Exception:
         checks["crash"] = traceback.format_exc()

@@ -9,19 +9,22 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import safetensors.torch as st
 import torch
+from helpers.s3_server import BUCKET, client, keys
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_accelerate_worker.py"
+S3_URL = f"s3://{BUCKET}/mp-accelerate-{uuid.uuid4().hex[:6]}"  # scenario H's project on the session's moto server
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, s3_endpoint):
     out = tmp_path_factory.mktemp("mp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error", FASTCKPT_TEST_S3_URL=S3_URL)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)
@@ -156,3 +159,25 @@ def test_plain_load_state_of_a_two_process_checkpoint_warns_of_rank_1(run):
         fastckpt.load_state(model, opt, input_dir=out / "shuffle")
     messages = [str(w.message) for w in caught if issubclass(w.category, fastckpt.RngRestoreWarning)]
     assert len(messages) == 1 and "random_states_1.safetensors" in messages[0], messages
+
+
+def test_s3_project_save_holds_every_rank_rng_in_one_commit_and_every_rank_resumes(run):
+    out, results = run
+    for rank, res in enumerate(results):
+        assert res["H_urls"] == [f"{S3_URL}/checkpoints/checkpoint_{n}" for n in range(3)], rank
+        assert res["H_state_equal"] is True and res["H_draws_equal"] is True, rank
+        assert res["H_step"] == 3 and res["H_iteration"] == 3, rank
+    prefix = S3_URL.split(f"s3://{BUCKET}/", 1)[1] + "/checkpoints/"
+    found = keys(prefix)
+    assert sorted({k[len(prefix):].split("/", 1)[0] for k in found}) == ["checkpoint_1", "checkpoint_2"]
+    latest = [k for k in found if k.startswith(prefix + "checkpoint_2/")]
+    saves = {k.split("/")[-2] for k in latest if "/save-" in k}
+    assert len(saves) == 1  # one commit
+    names = sorted(k.rsplit("/", 1)[1] for k in latest if "/save-" in k)
+    assert names == ["model.safetensors", "optimizer.safetensors", "random_states_0.safetensors",
+                     "random_states_1.safetensors", "scheduler.json"]
+    save = f"{prefix}checkpoint_2/{saves.pop()}"
+    rng = [st.load(client().get_object(Bucket=BUCKET, Key=f"{save}/random_states_{r}.safetensors")["Body"].read())
+           for r in (0, 1)]
+    torch.manual_seed(101)
+    assert torch.equal(rng[1]["torch"], torch.get_rng_state()) and not torch.equal(rng[0]["torch"], rng[1]["torch"])

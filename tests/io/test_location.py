@@ -30,7 +30,9 @@ URLS = {
 
 #: entry points that serve s3:// (tests/io/test_object_store.py); the others still refuse it
 S3_SERVED = {"save_state output_dir", "save_state project_dir", "load_state input_dir", "load_state project_dir",
-             "latest_checkpoint", "verify_checkpoint", "dcp.save", "dcp.load", "dcp.StorageWriter",
+             "latest_checkpoint", "verify_checkpoint", "accelerate.save_state output_dir",
+             "accelerate.save_state project_dir", "accelerate.load_state input_dir",
+             "accelerate.load_state project_dir", "dcp.save", "dcp.load", "dcp.StorageWriter",
              "dcp.StorageWriter.reset", "dcp.StorageReader", "dcp.StorageReader.reset"}
 
 

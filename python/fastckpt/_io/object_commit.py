@@ -36,7 +36,7 @@ from fastckpt._io.layout import MANIFEST
 from fastckpt._io.object_store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
 
-__all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "new_save", "upload_objects", "commit_save",
+__all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "upload_folder", "new_save", "upload_objects", "commit_save",
            "fetched_checkpoint", "committed_manifest", "delete_checkpoint"]
 
 MANIFESTS = "manifests"
@@ -171,9 +171,19 @@ def save_object_checkpoint(store: Any, url: ObjectUrl, write: Callable[[Path], N
     with tempfile.TemporaryDirectory(prefix="fastckpt-s3-") as tmp:
         folder = Path(tmp) / "checkpoint"
         write(folder)
-        local_manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        number, save_id = new_save(store, url)
-        objects = upload_objects(store, url, save_id, folder, _local_files(folder), local_manifest)
+        upload_folder(store, url, folder)
+
+
+def upload_folder(store: Any, url: ObjectUrl, folder: Path) -> None:
+    """Upload the committed local checkpoint ``folder`` (its files and manifest) to ``url`` and commit it there.
+
+    Raises:
+        ConcurrentSaveError, IntegrityError, OSError: see :func:`save_object_checkpoint`; nothing is committed and
+            the previous checkpoint at ``url`` is untouched.
+    """
+    local_manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    number, save_id = new_save(store, url)
+    objects = upload_objects(store, url, save_id, folder, _local_files(folder), local_manifest)
     commit_save(store, url, number, save_id, objects, local_manifest)
 
 

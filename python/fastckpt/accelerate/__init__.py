@@ -53,7 +53,6 @@ from fastckpt._io.layout import (
     random_states_name,
     rotate_checkpoints,
 )
-from fastckpt._io.location import check_location
 from fastckpt._io.log import log_load
 from fastckpt._io.participation import GRACE, participants
 from fastckpt._plan.load import check_input_dir, plan_load
@@ -63,6 +62,14 @@ from fastckpt._state.rng import RngRestoreWarning, rng_payload, warn_unrestored
 from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
 from fastckpt.accelerate.project import choose_target, project_root, set_iteration
+from fastckpt.accelerate.remote import (
+    check_remote_save,
+    choose_remote_target,
+    fetched_on_every_rank,
+    remote_location,
+    set_remote_iteration,
+    write_remote,
+)
 from fastckpt.checkpoint import LoadResult
 from fastckpt.errors import CheckpointError, MissingStateError
 
@@ -109,7 +116,7 @@ def save_state(
     timeout: float = DEFAULT_TIMEOUT,
     async_save: bool | str = False,
     host_memory_budget: int | str | None = None,
-) -> Path | AsyncSave:
+) -> Path | AsyncSave | str:
     """Save everything ``accelerator`` tracks (or only the model weights) to a checkpoint folder, crash-safely.
 
     Args:
@@ -143,8 +150,16 @@ def save_state(
             completes after the one atomic commit on the main process (and raises on every process if it failed).
         host_memory_budget: as :func:`fastckpt.save_state` (with ``async_save=True`` or ``"stream"``).
 
+    Object storage: ``output_dir="s3://bucket/prefix"``, or ``ProjectConfiguration(project_dir="s3://bucket/run",
+    automatic_checkpoint_naming=True, total_limit=...)`` with ``output_dir=None`` (numbered and rotated by
+    committed manifests): the main process writes every process's files (one RNG file per process) into a private
+    local folder and uploads them as one commit (see :mod:`fastckpt.accelerate.remote`; S3 settings from the
+    ``AWS_*`` environment). Not with FSDP2, ``async_save``, ``share_unchanged`` or save-state pre-hooks
+    (ValueError).
+
     Returns:
-        The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``.
+        The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``; for
+        ``s3://``, the checkpoint's URL (a ``str``).
 
     Raises:
         ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``.
@@ -187,16 +202,21 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
     async saves), e.g. to rotate older checkpoints; ``every_process=True``: the caller knows every process calls
     this save (Trainer does), so the main process does not check who joins (no main-process-only save). Other
     arguments: as :func:`save_state`."""
-    check_location(output_dir, "output_dir")
-    check_location(getattr(accelerator, "project_dir", None), "project_dir")
+    remote, project = remote_location(accelerator, output_dir, "output_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
+    if remote is not None or (project is not None and output_dir is None):
+        check_remote_save(fsdp=fsdp, async_save=async_save, share_unchanged=share_unchanged,
+                          hooks=list(accelerator._save_model_state_pre_hook.values()))
+    else:
+        remote = project = None
     check_save_args(fsdp, compat=compat, trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
                      async_save=async_save, extras=bool(files) or after_commit is not None)
     kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
                   threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
                   share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
-                  host_memory_budget=host_memory_budget, files=files, after_commit=after_commit)
+                  host_memory_budget=host_memory_budget, files=files, after_commit=after_commit,
+                  remote=remote, project=project)
     what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
     if every_process or participants(what, timeout) == "all":
         return _save(accelerator, output_dir, fsdp, **kwargs)
@@ -214,7 +234,7 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
           max_shard_size: Any, durable: bool, threads: int, trainable_only: bool, trainable_buffers: Sequence[str],
           dtype: Any, share_unchanged: bool, timeout: float, async_save: bool | str,
           host_memory_budget: Any, files: dict[str, str | bytes] | None,
-          after_commit: Callable[[Path], None] | None) -> Path | AsyncSave:
+          after_commit: Callable[[Path], None] | None, remote: Any, project: Any) -> Path | AsyncSave | str:
     if fsdp == "SHARDED_STATE_DICT":
         return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
                              timeout=timeout)
@@ -223,8 +243,12 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
-                             what="choosing the checkpoint folder", timeout=timeout)
+    if remote is not None or project is not None:
+        target, number = on_main(lambda: choose_remote_target(accelerator, remote, project, model_only),
+                                 what="choosing the checkpoint", timeout=timeout)
+    else:
+        target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
+                                 what="choosing the checkpoint folder", timeout=timeout)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
     full_optimizers = None
@@ -295,9 +319,12 @@ def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bo
         if after_commit is not None:
             after_commit(target)
 
-    def write() -> Path:
+    def write() -> Path | str:
         from fastckpt._io.commit import write_checkpoint
 
+        if remote is not None or project is not None:  # one commit of every process's files, made by this one
+            return write_remote(accelerator, target, number, lambda folder: write_checkpoint(
+                build(), folder, durable=False, threads=threads), model_only=model_only)
         write_checkpoint(build(), target, durable=durable, threads=threads)
         rotate()
         return target
@@ -370,6 +397,10 @@ def load_state(
         cast: cast model weights stored in another dtype to the live dtype (as torch's ``load_state_dict``);
             default False refuses them (DtypeError).
 
+    Object storage: an ``s3://`` ``input_dir`` (or, with ``input_dir=None``, an ``s3://`` ``project_dir``: its
+    latest committed checkpoint): the main process picks it, every process downloads it (crc32c checked) into a
+    private folder, and the processes check they fetched the same committed save before anything is applied.
+
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the models. Also sets ``accelerator.step`` from the RNG
         file and, when the folder is ``{project_dir}/checkpoints/checkpoint_N``, ``project_configuration.iteration``
@@ -390,14 +421,30 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
-    check_location(input_dir, "input_dir")
-    check_location(getattr(accelerator, "project_dir", None), "project_dir")
+    remote, project = remote_location(accelerator, input_dir, "input_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
+    if remote is not None or (project is not None and input_dir is None):
+        if fsdp is not None:
+            raise ValueError("FSDP2 states do not load from s3:// yet; download the checkpoint and load it locally")
+        with fetched_on_every_rank(remote, project, model_only=model_only, timeout=timeout) as (chosen, folder):
+            result = _load_folder(accelerator, folder, model_only=model_only, strict=strict,
+                                  map_location=map_location, trust_pickle=trust_pickle, threads=threads,
+                                  timeout=timeout, cast=cast, fsdp=fsdp)
+        set_remote_iteration(accelerator, chosen)
+        return result
     folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
                      timeout=timeout)
     wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
                       else project_root(accelerator) / "checkpoints")
+    result = _load_folder(accelerator, folder, model_only=model_only, strict=strict, map_location=map_location,
+                          trust_pickle=trust_pickle, threads=threads, timeout=timeout, cast=cast, fsdp=fsdp)
+    set_iteration(accelerator, folder)
+    return result
+
+
+def _load_folder(accelerator: Any, folder: Path, *, model_only: bool, strict: bool, map_location: Any,
+                 trust_pickle: bool, threads: int, timeout: float, cast: bool, fsdp: str | None) -> LoadResult:
     if not model_only and int(accelerator.process_index) == 0:  # saved by more processes than this run has
         warn_unrestored(folder, int(accelerator.num_processes))
     models = list(accelerator._models)
@@ -410,7 +457,6 @@ def load_state(
     if is_sharded_checkpoint(folder) or fsdp == "SHARDED_STATE_DICT":
         result = load_sharded_state(accelerator, folder, targets, model_only=model_only, strict=strict,
                                trust_pickle=trust_pickle, timeout=timeout)
-        set_iteration(accelerator, folder)
         return result
     plan, error = None, None
     full: list = []
@@ -454,5 +500,4 @@ def load_state(
     log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     if plan.rng is not None:
         accelerator.step = plan.rng.step
-    set_iteration(accelerator, folder)
     return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
