@@ -91,6 +91,15 @@ def s3_endpoint():
 
 
 @pytest.fixture
+def proxy(s3_endpoint):
+    """A fault-injecting HTTP proxy in front of the session's S3 server (tests/helpers/s3_server.py)."""
+    from helpers.s3_server import FaultProxy
+
+    with FaultProxy(s3_endpoint) as p:
+        yield p
+
+
+@pytest.fixture
 def s3_url(s3_endpoint, request) -> str:
     """A fresh ``s3://fastckpt-test/<test name>-<uuid>`` prefix on the session's server."""
     import re

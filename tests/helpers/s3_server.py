@@ -130,12 +130,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(SLOW_DOWN)
             return
         upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "proxy-connection")}
-        serial = faults.forward_lock if faults.serialize(self.command, self.path) else contextlib.nullcontext()
-        with serial:
-            upstream.request(self.command, self.path, body=body, headers=headers)
-            reply = upstream.getresponse()
-            data = reply.read()
+        try:  # closed even when the client is gone (a killed saver): no socket left for the GC to warn about
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "proxy-connection")}
+            serial = faults.forward_lock if faults.serialize(self.command, self.path) else contextlib.nullcontext()
+            with serial:
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                reply = upstream.getresponse()
+                data = reply.read()
+        finally:
+            upstream.close()
         self.send_response(reply.status, reply.reason)
         for k, v in reply.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -144,7 +147,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
-        upstream.close()
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
@@ -186,3 +188,14 @@ class FaultProxy:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def key_prefix(url: str) -> str:
+    """The key prefix of an ``s3://fastckpt-test/...`` URL of the test bucket."""
+    return url.split(f"s3://{BUCKET}/", 1)[1]
+
+
+def proxy_options(proxy: FaultProxy, retries: int = 6) -> dict[str, str]:
+    """``storage_options`` that send every request through ``proxy``: quick retries, 5 MiB multipart parts."""
+    return {"endpoint_url": proxy.endpoint, "max_retries": str(retries), "retry_backoff": "0.01",
+            "part_size": str(5 << 20)}

@@ -12,7 +12,7 @@ import threading
 import pytest
 from helpers.crash_worker import build_state
 from helpers.procs import WORKER, expected_fingerprint, finish, loaded_fingerprint, wait_ready, worker_env
-from helpers.s3_server import BUCKET, FaultProxy, Faults, keys, pending_uploads
+from helpers.s3_server import BUCKET, Faults, key_prefix, keys, pending_uploads, proxy_options
 
 import fastckpt
 from fastckpt.errors import ConcurrentSaveError
@@ -20,41 +20,26 @@ from fastckpt.errors import ConcurrentSaveError
 MiB = 1 << 20
 
 
-def _prefix(url: str) -> str:
-    return url.split(f"s3://{BUCKET}/", 1)[1]
-
-
-@pytest.fixture
-def proxy(s3_endpoint):
-    with FaultProxy(s3_endpoint) as p:
-        yield p
-
-
-def _options(proxy: FaultProxy, retries: int = 6) -> dict[str, str]:
-    return {"endpoint_url": proxy.endpoint, "max_retries": str(retries), "retry_backoff": "0.01",
-            "part_size": str(5 * MiB)}
-
-
 @pytest.mark.parametrize("kind", ["503", "drop"])
 def test_throttling_and_dropped_connections_are_retried_and_the_save_commits_exactly(kind, proxy, s3_url):
     proxy.faults = Faults(kind=kind, count=4, match=lambda method, path: method == "PUT" and "partNumber=" in path)
-    fastckpt.save_state(*build_state(1, 12), output_dir=s3_url, storage_options=_options(proxy))
+    fastckpt.save_state(*build_state(1, 12), output_dir=s3_url, storage_options=proxy_options(proxy))
     assert proxy.faults.injected == 4
     proxy.faults = Faults()
     assert loaded_fingerprint(s3_url, 12) == expected_fingerprint(1, 12)
-    assert pending_uploads(_prefix(s3_url)) == []
+    assert pending_uploads(key_prefix(s3_url)) == []
 
 
 @pytest.mark.parametrize("kind", ["503", "drop"])
 def test_unbounded_faults_fail_naming_the_object_and_commit_nothing(kind, proxy, s3_url):
     fastckpt.save_state(*build_state(1, 1), output_dir=s3_url)  # the previous checkpoint, written directly
-    before = keys(_prefix(s3_url) + "/")
+    before = keys(key_prefix(s3_url) + "/")
     proxy.faults = Faults(kind=kind, count=None, match=lambda method, path: method == "PUT" and "/save-" in path)
-    with pytest.raises(OSError, match=rf"s3://{BUCKET}/{_prefix(s3_url)}/save-\d+-[0-9a-f]+/[\w.]+: .*after 2 retries"):
-        fastckpt.save_state(*build_state(2, 1), output_dir=s3_url, storage_options=_options(proxy, retries=2))
+    with pytest.raises(OSError, match=rf"s3://{BUCKET}/{key_prefix(s3_url)}/save-\d+-[0-9a-f]+/[\w.]+: .*after 2 retries"):
+        fastckpt.save_state(*build_state(2, 1), output_dir=s3_url, storage_options=proxy_options(proxy, retries=2))
     assert proxy.faults.injected >= 3  # the first try and 2 retries, at least for one object
     proxy.faults = Faults()
-    assert keys(_prefix(s3_url) + "/") == before  # nothing of the failed save is left, the manifest unchanged
+    assert keys(key_prefix(s3_url) + "/") == before  # nothing of the failed save is left, the manifest unchanged
     assert loaded_fingerprint(s3_url, 1) == expected_fingerprint(1, 1)
 
 
@@ -81,7 +66,7 @@ def test_a_save_killed_mid_upload_leaves_the_previous_checkpoint_and_the_next_sa
         worker.kill()
     assert status == -9, (status, lines, err)
     proxy.faults = Faults()
-    prefix = _prefix(s3_url)
+    prefix = key_prefix(s3_url)
     assert [k for k in keys(prefix + "/manifests/")] == [f"{prefix}/manifests/0000000000.json"]
     marked = {k.removesuffix(".fastckpt-upload") for k in keys(prefix + "/") if k.endswith(".fastckpt-upload")}
     assert marked and marked <= set(pending_uploads(prefix)), "the held upload is open and recorded by its marker"
@@ -110,7 +95,7 @@ def test_two_savers_racing_for_one_checkpoint_one_wins_with_one_complete_state(p
     def save(seed: int) -> None:
         try:
             results[seed] = fastckpt.save_state(*build_state(seed, 1), output_dir=s3_url,
-                                                storage_options=_options(proxy))
+                                                storage_options=proxy_options(proxy))
         except Exception as exc:
             results[seed] = exc
 
@@ -125,5 +110,5 @@ def test_two_savers_racing_for_one_checkpoint_one_wins_with_one_complete_state(p
     assert len(won) == 1 and len(lost) == 1, results
     assert "another save committed" in str(lost[0]) and "manifests/0000000000.json" in str(lost[0])
     assert loaded_fingerprint(s3_url, 1) == expected_fingerprint(won[0], 1)
-    prefix = _prefix(s3_url)
+    prefix = key_prefix(s3_url)
     assert len({k.split("/")[1] for k in keys(prefix + "/") if "/save-" in k}) == 1

@@ -12,7 +12,7 @@ import torch
 from helpers.common import assert_model_state, make_training_state, model_clone
 from helpers.crash_worker import build_state
 from helpers.procs import expected_fingerprint, loaded_fingerprint
-from helpers.s3_server import BUCKET, client, keys
+from helpers.s3_server import BUCKET, client, key_prefix, keys
 
 import fastckpt
 from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
@@ -20,22 +20,18 @@ from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 MiB = 1 << 20
 
 
-def _prefix(url: str) -> str:
-    return url.split(f"s3://{BUCKET}/", 1)[1]
-
-
 def _objects(url: str) -> dict[str, str]:
     """``{name: key}`` of the committed save's objects under ``url`` (names relative to its save-id prefix)."""
     found = {}
-    for key in keys(_prefix(url) + "/"):
-        rest = key[len(_prefix(url)) + 1:]
+    for key in keys(key_prefix(url) + "/"):
+        rest = key[len(key_prefix(url)) + 1:]
         if rest.startswith("save-"):
             found[rest.split("/", 1)[1]] = key
     return found
 
 
 def _manifests(url: str) -> list[str]:
-    return [k.rsplit("/", 1)[1] for k in keys(_prefix(url) + "/manifests/")]
+    return [k.rsplit("/", 1)[1] for k in keys(key_prefix(url) + "/manifests/")]
 
 
 def _get(key: str) -> bytes:
@@ -69,7 +65,7 @@ def test_sharded_multipart_round_trip(s3_url):
     fastckpt.save_state(model, opt, sched, output_dir=s3_url, max_shard_size="8MiB", storage_options=options)
     names = sorted(_objects(s3_url))
     assert "model.safetensors.index.json" in names and sum(n.startswith("model-0") for n in names) >= 2
-    assert not [k for k in keys(_prefix(s3_url) + "/") if k.endswith(".fastckpt-upload")]
+    assert not [k for k in keys(key_prefix(s3_url) + "/") if k.endswith(".fastckpt-upload")]
     fresh, fopt, fsched = build_state(5, 16)
     fastckpt.load_state(fresh, fopt, fsched, input_dir=s3_url, storage_options=options, verify=True)
     from helpers.procs import fingerprint
@@ -92,10 +88,10 @@ def test_model_only_round_trip_and_model_only_load_of_a_full_save(s3_url):
 
 def test_resave_replaces_the_state_and_removes_the_old_objects_after_the_commit(s3_url):
     fastckpt.save_state(*build_state(1, 1), output_dir=s3_url)
-    first = set(keys(_prefix(s3_url) + "/"))
+    first = set(keys(key_prefix(s3_url) + "/"))
     fastckpt.save_state(*build_state(2, 1), output_dir=s3_url)
     assert _manifests(s3_url) == ["0000000001.json"]
-    assert not first & set(keys(_prefix(s3_url) + "/"))
+    assert not first & set(keys(key_prefix(s3_url) + "/"))
     assert loaded_fingerprint(s3_url, 1) == expected_fingerprint(2, 1)
 
 
@@ -108,10 +104,10 @@ def test_project_naming_rotation_and_latest_by_committed_manifests(s3_url):
     assert snap == f"{s3_url}/model_only/checkpoint_0"
     assert fastckpt.latest_checkpoint(s3_url) == saved[2]
     assert fastckpt.latest_checkpoint(s3_url, model_only=True) == snap
-    assert not keys(_prefix(saved[0]) + "/")  # rotated away, every object
+    assert not keys(key_prefix(saved[0]) + "/")  # rotated away, every object
     assert _manifests(saved[1]) and _manifests(saved[2])
     # a save that never committed (objects, no manifest) is neither latest nor counted for the next number
-    _put(_prefix(s3_url) + "/checkpoints/checkpoint_9/save-0000000000-deadbeef/model.safetensors", b"junk")
+    _put(key_prefix(s3_url) + "/checkpoints/checkpoint_9/save-0000000000-deadbeef/model.safetensors", b"junk")
     assert fastckpt.latest_checkpoint(s3_url) == saved[2]
     model2 = make_training_state(1)[0]
     fastckpt.load_state(model2, project_dir=s3_url, model_only=True)
@@ -176,7 +172,7 @@ def test_object_the_manifest_does_not_list_is_refused(committed):
                                               "objects": {"../../x": {"bytes": 1, "crc32c": "0"}}}).encode()])
 def test_malformed_manifest_is_a_header_error(committed, body):
     url = committed[0]
-    _put(f"{_prefix(url)}/manifests/{_manifests(url)[-1]}", body)
+    _put(f"{key_prefix(url)}/manifests/{_manifests(url)[-1]}", body)
     _refused(committed, HeaderError, "manifests/0000000000.json")
 
 
@@ -230,4 +226,4 @@ def test_bad_storage_options_are_value_errors(s3_url):
         fastckpt.save_state(model, model_only=True, output_dir=s3_url + "/a#b")
     with pytest.raises(ValueError, match="is local but project_dir"):
         fastckpt.save_state(model, model_only=True, output_dir="local", project_dir=s3_url)
-    assert not keys(_prefix(s3_url))
+    assert not keys(key_prefix(s3_url))

@@ -14,26 +14,11 @@ import pytest
 import torch
 from helpers.crash_worker import BigNet, build_state
 from helpers.procs import WORKER, expected_fingerprint, finish, loaded_fingerprint, wait_ready, worker_env
-from helpers.s3_server import BUCKET, FaultProxy, Faults, keys
+from helpers.s3_server import BUCKET, Faults, key_prefix, keys, proxy_options
 
 import fastckpt
 
 MiB = 1 << 20
-
-
-def _prefix(url: str) -> str:
-    return url.split(f"s3://{BUCKET}/", 1)[1]
-
-
-@pytest.fixture
-def proxy(s3_endpoint):
-    with FaultProxy(s3_endpoint) as p:
-        yield p
-
-
-def _options(proxy: FaultProxy, retries: int = 6) -> dict[str, str]:
-    return {"endpoint_url": proxy.endpoint, "max_retries": str(retries), "retry_backoff": "0.01",
-            "part_size": str(5 * MiB)}
 
 
 def _held_uploads() -> tuple[threading.Event, threading.Event, Faults]:
@@ -67,11 +52,11 @@ def test_the_local_folder_loads_before_the_upload_finishes(proxy, s3_url, tmp_pa
     held, release, proxy.faults = _held_uploads()
     try:
         handle = fastckpt.save_state(*build_state(5, 1), output_dir=tmp_path / "ckpt", remote=s3_url,
-                                     storage_options=_options(proxy))
+                                     storage_options=proxy_options(proxy))
         assert held.wait(120), "the upload never started"
         assert not handle.done()
         assert loaded_fingerprint(handle.wait_local(), 1) == expected_fingerprint(5, 1)
-        assert keys(_prefix(s3_url) + "/manifests/") == []  # nothing committed remotely yet
+        assert keys(key_prefix(s3_url) + "/manifests/") == []  # nothing committed remotely yet
         with pytest.raises(TimeoutError, match="not committed within"):
             handle.wait(timeout=0.01)
     finally:
@@ -84,15 +69,15 @@ def test_the_local_folder_loads_before_the_upload_finishes(proxy, s3_url, tmp_pa
 def test_an_upload_failure_surfaces_from_wait_naming_the_object_and_leaves_the_previous_remote(proxy, s3_url,
                                                                                                tmp_path):
     fastckpt.save_state(*build_state(1, 1), output_dir=s3_url)  # the previous remote checkpoint
-    before = keys(_prefix(s3_url) + "/")
+    before = keys(key_prefix(s3_url) + "/")
     proxy.faults = Faults(kind="503", count=None, match=lambda method, path: method == "PUT" and "/save-" in path)
     handle = fastckpt.save_state(*build_state(2, 1), output_dir=tmp_path / "ckpt", remote=s3_url,
-                                 storage_options=_options(proxy, retries=2))
-    with pytest.raises(OSError, match=rf"s3://{BUCKET}/{_prefix(s3_url)}/save-\d+-[0-9a-f]+/[\w.]+: .*after 2 retries"):
+                                 storage_options=proxy_options(proxy, retries=2))
+    with pytest.raises(OSError, match=rf"s3://{BUCKET}/{key_prefix(s3_url)}/save-\d+-[0-9a-f]+/[\w.]+: .*after 2 retries"):
         handle.wait(120)
     assert isinstance(handle.exception(), OSError)
     proxy.faults = Faults()
-    assert keys(_prefix(s3_url) + "/") == before
+    assert keys(key_prefix(s3_url) + "/") == before
     assert loaded_fingerprint(s3_url, 1) == expected_fingerprint(1, 1)
     assert loaded_fingerprint(tmp_path / "ckpt", 1) == expected_fingerprint(2, 1)  # the local commit stands
     fastckpt.save_state(*build_state(3, 1), output_dir=tmp_path / "ckpt", remote=s3_url).wait()  # reported once
@@ -101,7 +86,7 @@ def test_an_upload_failure_surfaces_from_wait_naming_the_object_and_leaves_the_p
 def test_an_unwaited_upload_failure_is_raised_by_the_next_tiered_save(proxy, s3_url, tmp_path):
     proxy.faults = Faults(kind="503", count=None, match=lambda method, path: method == "PUT" and "/save-" in path)
     fastckpt.save_state(*build_state(2, 1), output_dir=tmp_path / "a", remote=s3_url,
-                        storage_options=_options(proxy, retries=1))
+                        storage_options=proxy_options(proxy, retries=1))
     with pytest.raises(OSError, match="after 1 retries") as info:
         fastckpt.save_state(*build_state(3, 1), output_dir=tmp_path / "b", remote=s3_url)
     assert any("earlier tiered save" in note for note in info.value.__notes__)
@@ -109,12 +94,12 @@ def test_an_unwaited_upload_failure_is_raised_by_the_next_tiered_save(proxy, s3_
 
 
 def _numbers(url: str) -> list[int]:
-    found = {k.split("/checkpoints/checkpoint_", 1)[1].split("/", 1)[0] for k in keys(_prefix(url) + "/checkpoints/")}
+    found = {k.split("/checkpoints/checkpoint_", 1)[1].split("/", 1)[0] for k in keys(key_prefix(url) + "/checkpoints/")}
     return sorted(int(n) for n in found)
 
 
 def test_total_limit_rotates_both_tiers_the_remote_only_after_the_newer_remote_commit(proxy, s3_url, tmp_path):
-    options = _options(proxy)
+    options = proxy_options(proxy)
     for seed in (1, 2):
         fastckpt.save_state(*build_state(seed, 1), project_dir=tmp_path, remote=s3_url, total_limit=2,
                             storage_options=options).wait()
