@@ -22,7 +22,7 @@ from fastckpt._io.async_stream import submit_stream
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.folder import RETRIES, pinned
-from fastckpt._io.integrity import verify_checkpoint
+from fastckpt._io.location import check_location
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.dict_load import read_dict_checkpoint
 from fastckpt._plan.dict_save import build_dict_plan
@@ -73,7 +73,8 @@ def save(
         TypeError: ``obj`` is not a dict, list or tuple, or a value needs pickle and ``trust_pickle`` is False (names
             its key path, e.g. ``checkpoint.hyper_parameters.activation``, and its type).
         DtypeError / MetaTensorError / ValueError: a tensor the format cannot hold (names it).
-        ValueError: a bad ``async_save`` or ``threads``. NotADirectoryError: ``path`` is a file.
+        ValueError: a bad ``async_save`` or ``threads``, or a URL (``s3://``, ``gs://``, ``file://``, ...): only
+            local folders. NotADirectoryError: ``path`` is a file.
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
 
     Example:
@@ -89,6 +90,7 @@ def save(
     for i, opt in enumerate(opts):
         if not hasattr(opt, "param_groups") or not hasattr(opt, "register_step_pre_hook"):
             raise TypeError(f"optimizers[{i}] is a {type(opt).__name__}, expected a torch.optim.Optimizer")
+    check_location(path, "path")
     finish_pending(wait=async_save != "snapshot")
     target = check_target(path)
     plan = build_dict_plan(obj, trust_pickle=trust_pickle)
@@ -108,7 +110,7 @@ def load(
     *,
     map_location: str | torch.device | dict[str, str] | None = None,
     trust_pickle: bool = False,
-    verify: bool = False,
+    verify: bool = True,
     threads: int = 0,
 ) -> Any:
     """Load what :func:`save` wrote to the folder ``path``: every file is checked first, then the object built.
@@ -120,9 +122,11 @@ def load(
             CPU tensors are zero-copy views of a private mapping of the file (writing to them never reaches it).
         trust_pickle: read the pickle part ``state.pkl`` (written by ``save(..., trust_pickle=True)``).
             Unpickling can run arbitrary code: only for checkpoints you trust.
-        verify: first read every file and compare sizes and crc32c checksums with the manifest
-            (see :func:`fastckpt.verify_checkpoint`).
-        threads: reader threads for ``verify``; 0 picks min(8, cores).
+        verify: sum every byte of ``state.safetensors`` against the manifest's crc32c before any tensor is
+            returned (IntegrityError naming the file and tensor), as :func:`fastckpt.load_state` does; False skips
+            that sum (the small JSON files are always checked against the manifest: that is how a load tells one
+            save from the next).
+        threads: reader threads for the sums; 0 picks min(8, cores).
 
     Returns:
         The saved object, with its types (see the module docs); tied tensors share their storage again.
@@ -132,18 +136,17 @@ def load(
         HeaderError / IntegrityError: a damaged, truncated or inconsistent checkpoint (names the file and tensor).
         UnsafePickleError: the checkpoint has a pickle part and ``trust_pickle`` is False (names the part and the
             key paths it holds).
-        ValueError: a tensor saved from a device this machine lacks (pass ``map_location``), or a bad
-            ``map_location``.
+        ValueError: a URL ``path`` (only local folders), a tensor saved from a device this machine lacks (pass
+            ``map_location``), or a bad ``map_location``.
         CheckpointChangedError: other saves replaced the folder while it was read, 5 times in a row.
     """
+    check_location(path, "path")
     _check_map_location(map_location)
     folder = check_input_dir(Path(path))
     wait_for_saves_to(folder.absolute())
     for attempt in range(RETRIES):  # another save may replace the folder while it is read: start over
         try:
-            with pinned(folder) as handle:
-                if verify:
-                    verify_checkpoint(handle, threads=threads)
+            with pinned(folder, verify=verify, threads=threads) as handle:
                 return read_dict_checkpoint(handle, map_location=map_location, trust_pickle=trust_pickle)
         except CheckpointChangedError:
             if attempt == RETRIES - 1:

@@ -228,3 +228,26 @@ def test_bad_arguments(tmp_path):
         fastckpt.save({}, tmp_path / "x", async_save="yes")
     with pytest.raises(TypeError, match="optimizers"):
         fastckpt.save({}, tmp_path / "x", optimizers=["sgd"])
+
+
+@pytest.mark.parametrize("url", ["gs://b/x", "hf://b/x", "az://b/x", "s3://b/x", "file:///tmp/x"])
+def test_urls_are_refused_before_anything_is_written(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    scheme = url.split("://", 1)[0]
+    with pytest.raises(ValueError, match=scheme):
+        fastckpt.save({"w": torch.ones(2)}, url)
+    with pytest.raises(ValueError, match=scheme):
+        fastckpt.load(url)
+    assert os.listdir(tmp_path) == []  # no local folder named after the URL
+
+
+def test_every_load_sums_the_tensor_file_and_verify_false_skips_only_that(tmp_path):
+    path = tmp_path / "ck"
+    fastckpt.save({"w": torch.arange(1024, dtype=torch.float32), "step": 3}, path)
+    data = bytearray((path / "state.safetensors").read_bytes())
+    data[-5] ^= 0x01  # one bit of the last tensor byte region
+    (path / "state.safetensors").write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="state.safetensors"):
+        fastckpt.load(path)  # the default
+    got = fastckpt.load(path, verify=False)
+    assert got["step"] == 3 and not torch.equal(got["w"], torch.arange(1024, dtype=torch.float32))
