@@ -130,7 +130,7 @@ def committed(s3_url):
     return s3_url, live, model_clone(live[0])
 
 
-def _refused(committed, error, match):
+def _expect_refused(committed, error, match):
     url, live, before = committed
     with pytest.raises(error, match=match):
         fastckpt.load_state(*live, input_dir=url)
@@ -140,7 +140,7 @@ def _refused(committed, error, match):
 def test_object_of_another_size_is_refused(committed):
     key = _objects(committed[0])["model.safetensors"]
     _put(key, _get(key)[:-4])
-    _refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: \d+ bytes stored, \d+ recorded")
+    _expect_refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: \d+ bytes stored, \d+ recorded")
 
 
 def test_object_with_a_flipped_byte_names_object_and_tensor(committed):
@@ -150,7 +150,7 @@ def test_object_with_a_flipped_byte_names_object_and_tensor(committed):
     _put(key, bytes(data))
     header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
     last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
-    _refused(committed, IntegrityError, rf"(?s)s3://{BUCKET}/{key}: crc32c .* recorded.*s3://{BUCKET}/{key}: tensor '{last}'")
+    _expect_refused(committed, IntegrityError, rf"(?s)s3://{BUCKET}/{key}: crc32c .* recorded.*s3://{BUCKET}/{key}: tensor '{last}'")
     with pytest.raises(IntegrityError, match=last):
         fastckpt.verify_checkpoint(committed[0])
 
@@ -158,13 +158,13 @@ def test_object_with_a_flipped_byte_names_object_and_tensor(committed):
 def test_missing_object_is_refused(committed):
     key = _objects(committed[0])["optimizer.safetensors"]
     client().delete_object(Bucket=BUCKET, Key=key)
-    _refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: missing")
+    _expect_refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: missing")
 
 
 def test_object_the_manifest_does_not_list_is_refused(committed):
     key = _objects(committed[0])["model.safetensors"].rsplit("/", 1)[0] + "/model_1.safetensors"
     _put(key, b"x")
-    _refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: not in the manifest")
+    _expect_refused(committed, IntegrityError, rf"s3://{BUCKET}/{key}: not in the manifest")
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[]", json.dumps({"format": "fastckpt-object/1"}).encode(),
@@ -173,7 +173,7 @@ def test_object_the_manifest_does_not_list_is_refused(committed):
 def test_malformed_manifest_is_a_header_error(committed, body):
     url = committed[0]
     _put(f"{key_prefix(url)}/manifests/{_manifests(url)[-1]}", body)
-    _refused(committed, HeaderError, "manifests/0000000000.json")
+    _expect_refused(committed, HeaderError, "manifests/0000000000.json")
 
 
 def test_verify_reads_every_object(committed):
