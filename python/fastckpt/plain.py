@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fastckpt._io.async_stream import submit_stream
+from fastckpt._io.async_modes import check_mode, start_async
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
 from fastckpt._io.folder import RETRIES, pinned
@@ -56,7 +56,9 @@ def save(
             them.
         async_save: ``True``: return at once; tensors are written in the background. With ``optimizers``, their
             parameters and state are streamed from the live tensors and only each optimizer's next ``step()``
-            waits (see ``save_state``); without, as ``"snapshot"``. ``"snapshot"``: the tensors are copied at the
+            waits, and a tensor written behind torch's back (``p.data``) before it was written fails the save
+            (hashed at the call, as ``save_state``); ``"stream"`` skips those hashes; without ``optimizers``, both
+            are ``"snapshot"``. ``"snapshot"``: the tensors are copied at the
             call into a reused host buffer pool, then written. The structure (JSON, pickle part) is made at the
             call either way. At most one async save is in flight.
         optimizers: the optimizers whose parameters and state ``obj`` holds (for ``async_save=True``).
@@ -82,8 +84,7 @@ def save(
         >>> state = fastckpt.load("ckpt")
         >>> optimizer.load_state_dict(state["optimizer"])
     """
-    if async_save not in (False, True, "snapshot"):
-        raise ValueError(f"async_save must be False, True or 'snapshot', got {async_save!r}")
+    check_mode(async_save)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
     opts = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
@@ -95,10 +96,9 @@ def save(
     target = check_target(path)
     plan = build_dict_plan(obj, trust_pickle=trust_pickle)
     write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-    if async_save is True and opts:
-        return submit_stream(plan, opts, target, write=write, budget=host_memory_budget)
-    if async_save:
-        return submit(plan, target, write=write, blocking=False)
+    if async_save:  # the modes of save_state (fastckpt._io.async_modes); without optimizers a snapshot
+        return start_async(plan, opts, target.absolute(), async_save if opts else "snapshot", write=write,
+                           budget=host_memory_budget)
     if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
         return submit(plan, target, write=write, blocking=True).wait()
     write(plan, target)

@@ -251,3 +251,24 @@ def test_every_load_sums_the_tensor_file_and_verify_false_skips_only_that(tmp_pa
         fastckpt.load(path)  # the default
     got = fastckpt.load(path, verify=False)
     assert got["step"] == 3 and not torch.equal(got["w"], torch.arange(1024, dtype=torch.float32))
+
+
+def test_async_save_with_optimizers_never_commits_a_data_write_made_after_the_call(tmp_path):
+    from fastckpt.errors import ConcurrentModificationError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    fastckpt.save({"model": model.state_dict()}, tmp_path / "ck")  # the previous checkpoint
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = fastckpt.save({"model": model.state_dict()}, tmp_path / "ck", async_save=True, optimizers=[opt])
+    for p in model.parameters():
+        p.data.mul_(0.5)  # bypasses the version counters
+    try:
+        handle.wait()
+    except ConcurrentModificationError:
+        pass  # refused: the previous checkpoint stays
+    got = fastckpt.load(tmp_path / "ck")["model"]
+    assert all(torch.equal(got[k], before[k]) for k in before)  # the state at the call (or the same previous one)
