@@ -131,7 +131,8 @@ def checkpoint_layout(folder: Path) -> str:
         return "accelerate" if isinstance(data, dict) and data.get("layout") == "accelerate" else "fastckpt"
     names = os.listdir(folder)
     partial = sorted(n for n in names if _FASTCKPT_ONLY_RE.match(n))
-    if partial and IN_PLACE_STAGING in names:  # an in-place commit is renaming the new files in right now
+    # an in-place commit is renaming the new files in right now, or finished between the two looks (manifest back)
+    if partial and (IN_PLACE_STAGING in names or MANIFEST in names):
         raise CheckpointChangedError(
             f"{folder}: a save is being committed in place (its {MANIFEST} comes last); retry the load"
         )
