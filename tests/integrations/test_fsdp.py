@@ -28,7 +28,7 @@ KINDS = ("gpt2", "tiny")
 
 
 def _launch(out: Path, world: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=300)
     files = [out / f"w{world}_rank{r}.json" for r in range(world)]
