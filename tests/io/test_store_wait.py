@@ -105,3 +105,48 @@ def test_release_sets_the_missing_keys_and_ends_the_thread(store):
     wait.release(b"given up", 30)
     assert wait._done.is_set() and wait.arrived(0.01)
     assert store.multi_get(["have", "missing"]) == [b"1", b"given up"]
+
+
+class _ThreadRecorder:
+    """A store that records which threads call it (and delegates to a real one); its clones record into their own
+    list."""
+
+    def __init__(self, store):
+        self._store = store
+        self.threads: set[str] = set()
+        self.clones: list[_ThreadRecorder] = []
+
+    def clone(self):
+        twin = _ThreadRecorder(self._store.clone())
+        self.clones.append(twin)
+        return twin
+
+    def __getattr__(self, name):
+        self.threads.add(threading.current_thread().name)
+        return getattr(self._store, name)
+
+
+def test_the_heartbeat_thread_beats_on_a_connection_of_its_own(store, monkeypatch):
+    # torch's TCPStore client updates per-operation counters outside its connection lock in some versions: two
+    # threads on one client object corrupted the heap (malloc(): unaligned tcache chunk detected, in CI)
+    from fastckpt._io import distributed
+
+    recorder = _ThreadRecorder(store)
+    session = distributed.Session.__new__(distributed.Session)
+    session.what, session.timeout, session.active, session.rank, session.world = "test", 2.0, True, 0, 1
+    session._step, session.op, session.store = 0, 1, recorder
+    beat = threading.Event()
+    real_beat = distributed.Session.beat
+
+    def beat_once(self, count, *, store=None):
+        real_beat(self, count, store=store)
+        beat.set()
+
+    monkeypatch.setattr(distributed.Session, "beat", beat_once)
+    with session.working():
+        assert beat.wait(20)
+    assert recorder.threads == set(), "the session's own client was used from the heartbeat thread"
+    assert [c.threads for c in recorder.clones] == [{"fastckpt-heartbeat"}]
+    assert store.get("fastckpt/1/alive/0") == b"0 -1"
+    # the clone went back to the pool: the next heartbeat (or store wait) reuses it
+    assert distributed.borrow_connection(recorder) is recorder.clones[0]

@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from fastckpt._io.store_wait import KeyWait
+from fastckpt._io.store_wait import KeyWait, borrow_connection, give_back_connection
 from fastckpt.errors import CheckpointError, CollectiveTimeoutError
 
 __all__ = ["DEFAULT_TIMEOUT", "is_distributed", "alone", "process_rank", "Session", "timeout_group", "check_timeout",
@@ -167,9 +167,11 @@ class Session:
     def _alive_key(self, rank: int) -> str:
         return f"fastckpt/{self.op}/alive/{rank}"
 
-    def beat(self, count: int) -> None:
-        """Tell the others this process is alive and at its current step (see :meth:`_wait`)."""
-        self.store.set(self._alive_key(self.rank), f"{self._step} {count}")
+    def beat(self, count: int, *, store: Any = None) -> None:
+        """Tell the others this process is alive and at its current step (see :meth:`_wait`); ``store``: the
+        connection to use (a thread other than the session's own passes one of its own, see
+        :func:`~fastckpt._io.store_wait.borrow_connection`)."""
+        (self.store if store is None else store).set(self._alive_key(self.rank), f"{self._step} {count}")
 
     def _wait(self, keys: list[str], ranks: list[int], step: str) -> None:
         """Wait until every key exists; raise CollectiveTimeoutError after ``timeout`` s without progress.
@@ -331,21 +333,29 @@ class _Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _run(self) -> None:
+    def _run(self, connection: Any) -> None:
         s = self.session
         period = max(0.2, min(s.timeout / 10, 5.0))
         count = 0
-        while not self._stop.is_set():
-            count += 1
-            try:
-                s.beat(-count)
-            except Exception:
-                return
-            self._stop.wait(period)
+        try:
+            while not self._stop.is_set():
+                count += 1
+                try:
+                    s.beat(-count, store=connection)
+                except Exception:
+                    return
+                self._stop.wait(period)
+        finally:
+            if connection is not s.store:
+                give_back_connection(s.store, connection)
 
     def __enter__(self) -> _Heartbeat:
         if self.session.active:
-            self._thread = threading.Thread(target=self._run, name="fastckpt-heartbeat", daemon=True)
+            # its own connection: the session's thread keeps using the store meanwhile (see borrow_connection);
+            # a store that cannot be cloned (HashStore, FileStore: thread-safe) is shared
+            connection = borrow_connection(self.session.store) or self.session.store
+            self._thread = threading.Thread(target=self._run, args=(connection,), name="fastckpt-heartbeat",
+                                            daemon=True)
             self._thread.start()
         return self
 

@@ -17,14 +17,20 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["KeyWait", "is_wait_timeout"]
+__all__ = ["KeyWait", "borrow_connection", "give_back_connection", "is_wait_timeout"]
 
 _idle: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()  # store -> its unused clones
 _idle_lock = threading.Lock()
 
 
-def _take_connection(store: Any) -> Any:
-    """An idle clone of ``store``, or a new one; None where the store cannot be cloned."""
+def borrow_connection(store: Any) -> Any:
+    """An idle clone of ``store``, or a new one; None where the store cannot be cloned.
+
+    A thread other than the one that uses ``store`` talks to the store through a connection of its own: a
+    ``TCPStore`` client is one object per connection, and some torch versions update its per-operation counters
+    outside the connection's lock (``clientCounters_``), so two threads on one client can corrupt the heap. Give it
+    back with :func:`give_back_connection` once the thread is done with it.
+    """
     with _idle_lock:
         try:
             free = _idle.get(store)
@@ -38,7 +44,8 @@ def _take_connection(store: Any) -> Any:
         return None
 
 
-def _give_back(store: Any, connection: Any) -> None:
+def give_back_connection(store: Any, connection: Any) -> None:
+    """Return a connection from :func:`borrow_connection` to the pool of ``store``'s idle clones."""
     with _idle_lock:
         try:
             _idle.setdefault(store, []).append(connection)
@@ -69,7 +76,7 @@ class KeyWait:
         self._done = threading.Event()
         self._arrived = False
         self._error: BaseException | None = None
-        self._connection = _take_connection(store)  # None: sliced waits from the calling thread (see arrived)
+        self._connection = borrow_connection(store)  # None: sliced waits from the calling thread (see arrived)
         if self._connection is not None:
             self._start()
 
@@ -81,7 +88,7 @@ class KeyWait:
         try:
             self._connection.wait(self._keys, self._timeout)
             self._arrived = True
-            _give_back(self._store, self._connection)
+            give_back_connection(self._store, self._connection)
         except Exception as exc:  # a timeout is restarted by arrived(); anything else is the caller's error
             if not is_wait_timeout(exc):
                 self._error = exc
