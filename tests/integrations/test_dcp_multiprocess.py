@@ -25,7 +25,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dcp_worker.py"
 
 
 def _launch(out: Path, world: int, mode: str, s3_url: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error", FASTCKPT_TEST_S3_URL=s3_url)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONWARNINGS="error", FASTCKPT_TEST_S3_URL=s3_url)
     env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), str(WORKER), str(out), mode], env=env, capture_output=True, text=True,

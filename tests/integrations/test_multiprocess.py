@@ -24,7 +24,7 @@ S3_URL = f"s3://{BUCKET}/mp-accelerate-{uuid.uuid4().hex[:6]}"  # scenario H's p
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, s3_endpoint):
     out = tmp_path_factory.mktemp("mp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error", FASTCKPT_TEST_S3_URL=S3_URL)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONWARNINGS="error", FASTCKPT_TEST_S3_URL=S3_URL)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)

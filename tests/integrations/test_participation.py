@@ -19,7 +19,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_participation_wor
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("participation")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                            str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=300)
     files = [out / f"rank{r}.json" for r in range(3)]

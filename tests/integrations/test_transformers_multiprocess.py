@@ -21,7 +21,7 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_trainer_worker.py
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("mp_trainer")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600)
     files = [out / f"rank{r}.json" for r in (0, 1)]
