@@ -174,3 +174,23 @@ def test_bad_tiers_are_refused_before_anything_is_written(where, match, tmp_path
     with pytest.raises(ValueError, match=match):
         fastckpt.save_state(*build_state(1, 1), **where)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plain_save_never_rotates_away_the_folder_a_tiered_save_is_uploading(proxy, s3_url, tmp_path):
+    held, release, proxy.faults = _held_uploads()
+    try:
+        handle = fastckpt.save_state(*build_state(1, 1), project_dir=tmp_path, remote=s3_url, total_limit=1,
+                                     storage_options=proxy_options(proxy))
+        assert held.wait(120), "the upload never started"
+        uploading = handle.wait_local()
+        for seed in (2, 3):  # plain saves of the same project with total_limit=1 while the upload is held
+            fastckpt.save_state(*build_state(seed, 1), project_dir=tmp_path, total_limit=1)
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_2"]
+        assert loaded_fingerprint(uploading, 1) == expected_fingerprint(1, 1)
+    finally:
+        release.set()
+    assert handle.wait(120) == f"{s3_url}/checkpoints/checkpoint_0"
+    proxy.faults = Faults()
+    assert loaded_fingerprint(handle.remote, 1) == expected_fingerprint(1, 1)
+    fastckpt.save_state(*build_state(4, 1), project_dir=tmp_path, total_limit=1)  # the upload ended: rotated now
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_3"]

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ __all__ = [
     "checkpoint_numbers", "latest_checkpoint", "next_checkpoint_dir", "rotate_checkpoints", "checkpoint_layout",
     "is_committed", "CHECKPOINTS_DIR", "MODEL_ONLY_DIR", "saved_mode", "SAVE_ID_KEY", "listed_files",
     "unlisted_files", "count_problems", "DICT_LAYOUT", "DICT_TENSORS", "DICT_STRUCTURE", "DICT_PICKLE",
-    "remove_checkpoint_dir", "remove_folders",
+    "remove_checkpoint_dir", "remove_folders", "keep_from_rotation", "release_from_rotation",
 ]
 
 MANIFEST = "fastckpt.json"
@@ -418,6 +419,28 @@ def next_checkpoint_dir(project_dir: Path, *, model_only: bool = False) -> Path:
     return root / f"checkpoint_{max(numbers) + 1 if numbers else 0}"
 
 
+_kept: dict[Path, int] = {}  # absolute folder -> holders (tiered uploads reading it): rotation leaves it
+_kept_lock = threading.Lock()
+
+
+def keep_from_rotation(folder: Path) -> None:
+    """Keep ``folder`` out of :func:`rotate_checkpoints` until :func:`release_from_rotation` (a tiered save's
+    background upload reads it: a plain save's rotation meanwhile must not remove it)."""
+    key = Path(folder).absolute()
+    with _kept_lock:
+        _kept[key] = _kept.get(key, 0) + 1
+
+
+def release_from_rotation(folder: Path) -> None:
+    """Undo one :func:`keep_from_rotation` of ``folder``; the next rotation may remove it again."""
+    key = Path(folder).absolute()
+    with _kept_lock:
+        if _kept.get(key, 0) <= 1:
+            _kept.pop(key, None)
+        else:
+            _kept[key] -= 1
+
+
 def rotate_checkpoints(project_dir: Path, total_limit: int, *, model_only: bool = False) -> list[Path]:
     """Remove the oldest committed checkpoints of one kind (numeric order) so that ``total_limit`` remain; returns
     the removed folders. Full checkpoints (``checkpoints/``, model-only folders there are neither counted nor
@@ -425,11 +448,15 @@ def rotate_checkpoints(project_dir: Path, total_limit: int, *, model_only: bool 
 
     Each is first renamed to an owned trash name (:mod:`fastckpt._io.staging`), so it stops counting at once and a
     removal cut short never leaves a half-deleted ``checkpoint_N`` behind; the next save clears such leftovers.
+    A folder a tiered save is still uploading (:func:`keep_from_rotation`) is left for a later rotation, so until
+    its upload ends one more than ``total_limit`` may remain.
     """
     if total_limit < 1:
         raise ValueError(f"total_limit must be >= 1, got {total_limit}")
     numbers = checkpoint_numbers(project_dir, model_only=model_only, full_only=not model_only)
-    removed = [numbers[n] for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]]
+    oldest = [numbers[n] for n in sorted(numbers)[: max(0, len(numbers) - total_limit)]]
+    with _kept_lock:
+        removed = [f for f in oldest if f.absolute() not in _kept]
     remove_folders(removed)
     return removed
 

@@ -6,7 +6,9 @@ the upload is the object backend's upload of a local folder (:func:`fastckpt._io
 objects under a new save-id prefix, the manifest object created last), run on a thread of its own. Until that
 manifest is created the previous remote checkpoint stays the committed one, so a process that dies mid-upload
 leaves it as ``latest_checkpoint(remote)``. At most one upload is in flight: the next tiered save first waits for
-it (and raises its error if nobody did), so that local rotation never removes a folder still being uploaded.
+it (and raises its error if nobody did), and the folder is kept out of local rotation
+(:func:`~fastckpt._io.layout.keep_from_rotation`) until its upload ends, so that no save's rotation removes a folder
+still being uploaded.
 
 May import: layers 0-1 and other ``_io`` modules.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._io.async_writer import AsyncSave
+from fastckpt._io.layout import keep_from_rotation, release_from_rotation
 from fastckpt._io.object_commit import upload_folder
 from fastckpt._io.object_project import rotate_object_checkpoints
 from fastckpt._io.object_store import ObjectUrl, open_store
@@ -97,6 +100,7 @@ class TieredSave:
         except BaseException as exc:
             self._error = exc
         finally:
+            release_from_rotation(self.local)
             self._finished.set()
 
 
@@ -132,6 +136,7 @@ def start_tiered(local: Path | AsyncSave, remote: ObjectUrl, *, project_root: Pa
     project = remote if project_root is not None else None
     thread = threading.Thread(target=handle._run, args=(url, project, total_limit, model_only, storage_options),
                               name="fastckpt-tiered-upload")  # not a daemon: a normal exit finishes the upload
+    keep_from_rotation(path)  # until the upload ends, a plain save's rotation leaves this folder
     with _lock:
         _pending.append(handle)
     thread.start()
