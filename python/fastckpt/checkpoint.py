@@ -120,8 +120,9 @@ def _check_map_location(map_location: Any) -> None:
         raise ValueError(f"map_location={map_location!r} but CUDA is not available on this machine")
 
 
-# Typed overloads: ``async_save=False`` (the default) returns the committed folder, ``True`` / ``"stream"`` / ``"snapshot"`` the handle
-# (an ``s3://`` output_dir returns the checkpoint's URL as a ``str``).
+# Typed overloads: ``async_save=False`` (the default) returns the committed folder, ``True`` / ``"stream"`` / ``"snapshot"`` the handle,
+# ``remote=`` a TieredSave. An ``s3://`` output_dir returns the checkpoint's URL as a ``str`` (a URL and a local path
+# are both ``str`` arguments, so the overloads cannot tell them apart: they say ``Path``).
 _Models = torch.nn.Module | Sequence[torch.nn.Module]
 _Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 _PathArg = str | os.PathLike[str] | None
@@ -134,7 +135,7 @@ def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..
                compat: str | None = ..., async_save: Literal[False] = ..., trainable_only: bool = ...,
                trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
                timeout: float = ..., host_memory_budget: int | str | None = ...,
-               storage_options: Mapping[str, Any] | None = ...) -> Path: ...
+               storage_options: Mapping[str, Any] | None = ..., remote: None = ...) -> Path: ...
 @overload
 def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
                model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
@@ -142,7 +143,7 @@ def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..
                compat: str | None = ..., async_save: Literal[True, "stream", "snapshot"], trainable_only: bool = ...,
                trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
                timeout: float = ..., host_memory_budget: int | str | None = ...,
-               storage_options: Mapping[str, Any] | None = ...) -> AsyncSave: ...
+               storage_options: Mapping[str, Any] | None = ..., remote: None = ...) -> AsyncSave: ...
 @overload
 def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
                model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
@@ -150,7 +151,15 @@ def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..
                compat: str | None = ..., async_save: bool | str = ..., trainable_only: bool = ...,
                trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
                timeout: float = ..., host_memory_budget: int | str | None = ...,
-               storage_options: Mapping[str, Any] | None = ...) -> Path | AsyncSave: ...
+               storage_options: Mapping[str, Any] | None = ..., remote: None = ...) -> Path | AsyncSave: ...
+@overload
+def save_state(model: _Models, optimizer: _Optimizers = ..., scheduler: Any = ..., *, output_dir: _PathArg = ...,
+               model_only: bool = ..., project_dir: _PathArg = ..., total_limit: int | None = ..., step: int = ...,
+               durable: bool = ..., threads: int = ..., max_shard_size: int | str | None = ...,
+               compat: str | None = ..., async_save: bool | str = ..., trainable_only: bool = ...,
+               trainable_buffers: Sequence[str] = ..., dtype: torch.dtype | None = ..., share_unchanged: bool = ...,
+               timeout: float = ..., host_memory_budget: int | str | None = ...,
+               storage_options: Mapping[str, Any] | None = ..., remote: str) -> TieredSave: ...
 
 
 def save_state(

@@ -1,5 +1,5 @@
 """The public calls are typed as they behave: ``save_state(..., async_save=False)`` is a ``Path``,
-``async_save=True`` / ``"snapshot"`` an ``AsyncSave``, a ``bool`` known only at run time either (checked by mypy's
+``async_save=True`` / ``"snapshot"`` an ``AsyncSave``, ``remote=`` a ``TieredSave``, a ``bool`` known only at run time either (checked by mypy's
 ``reveal_type`` on the source tree)."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ follow_imports = normal
 follow_imports = normal
 [mypy-fastckpt._io.async_writer]
 follow_imports = normal
+[mypy-fastckpt._io.object_tiered]
+follow_imports = normal
 """
 
 SNIPPET = """
@@ -37,13 +39,15 @@ def f(model, accelerator, flag: bool) -> None:
     reveal_type(fastckpt.save_state(model, output_dir="c", async_save=True))
     reveal_type(fastckpt.save_state(model, output_dir="c", async_save="snapshot"))
     reveal_type(fastckpt.save_state(model, output_dir="c", async_save=flag))
+    reveal_type(fastckpt.save_state(model, output_dir="c", remote="s3://b/c"))
+    reveal_type(fastckpt.save_state(model, output_dir="c", async_save=True, remote="s3://b/c"))
     reveal_type(fastckpt.accelerate.save_state(accelerator, "c"))
     reveal_type(fastckpt.accelerate.save_state(accelerator, "c", async_save=True))
     reveal_type(fastckpt.accelerate.save_state(accelerator, "c", async_save="snapshot"))
     reveal_type(fastckpt.accelerate.save_state(accelerator, "c", async_save=flag))
 """
 
-PATH, HANDLE = "pathlib.Path", "fastckpt._io.async_writer.AsyncSave"
+PATH, HANDLE, TIERED = "pathlib.Path", "fastckpt._io.async_writer.AsyncSave", "fastckpt._io.object_tiered.TieredSave"
 EITHER = f"{PATH} | {HANDLE}"
 
 
@@ -54,6 +58,6 @@ def test_save_state_return_type_follows_async_save(tmp_path):
     stdout, stderr, _ = mypy_api.run(["--config-file", str(tmp_path / "mypy.ini"), "--cache-dir", str(tmp_path / "c"),
                                       "--no-error-summary", "--hide-error-context", str(tmp_path / "snippet.py")])
     revealed = re.findall(r'snippet\.py:\d+: note: Revealed type is "([^"]+)"', stdout)
-    assert revealed == [PATH, PATH, HANDLE, HANDLE, EITHER, PATH, HANDLE, HANDLE, EITHER], stdout + stderr
+    assert revealed == [PATH, PATH, HANDLE, HANDLE, EITHER, TIERED, TIERED, PATH, HANDLE, HANDLE, EITHER], stdout + stderr
     errors = [line for line in stdout.splitlines() if "snippet.py" in line and ": error:" in line]
     assert errors == [], errors
