@@ -20,7 +20,7 @@ import torch
 from fastckpt._io.async_modes import check_mode, start_async
 from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.commit import check_target, write_checkpoint
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed, process_rank
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.folder import RETRIES, opened_files, pinned
 from fastckpt._io.integrity import VerifyReport
 from fastckpt._io.integrity import verify_checkpoint as _verify_local
@@ -33,9 +33,9 @@ from fastckpt._io.object_tiered import TieredSave, finish_tiered, start_tiered
 from fastckpt._io.snapshot import has_device_tensors
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
-from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
-from fastckpt._plan.sharded_save import save_sharded
+from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.sharded import is_sharded
+from fastckpt.checkpoint_sharded import load_sharded_state, save_sharded_state
 from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
@@ -340,10 +340,11 @@ def save_state(
         if trainable_only or dtype is not None or share_unchanged:
             raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
                              "models yet; save the full sharded state, then `fastckpt consolidate` it")
-        return _save_sharded(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                             output_dir=output_dir, model_only=model_only, project_dir=project_dir,
-                             total_limit=total_limit, step=step, durable=durable, threads=threads,
-                             max_shard_size=max_shard_size, compat=compat, async_save=async_save, timeout=timeout)
+        return save_sharded_state(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
+                                  output_dir=output_dir, model_only=model_only, project_dir=project_dir,
+                                  total_limit=total_limit, step=step, durable=durable, threads=threads,
+                                  max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                                  timeout=timeout)
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
                            model_only=model_only, step=step,
                            max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
@@ -496,8 +497,8 @@ def load_state(
                       else Path(project_dir if project_dir is not None else os.getcwd()) / "checkpoints")
     folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
     if is_sharded(models) or is_sharded_checkpoint(folder):
-        return _load_sharded(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                             threads=threads, verify=verify, timeout=timeout)
+        return LoadResult(*load_sharded_state(folder, models, optimizers, schedulers, model_only=model_only,
+                                              strict=strict, threads=threads, verify=verify, timeout=timeout))
     if not model_only and not is_distributed() and folder.is_dir():  # random_states_0 is restored, not the rest
         from fastckpt._state.rng import warn_unrestored
 
@@ -561,113 +562,3 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progr
         with fetched(remote, None, model_only=False, storage_options=storage_options) as local:
             return _verify_local(local, threads=threads, progress=progress)
     return _verify_local(folder, threads=threads, progress=progress)
-
-
-# -- sharded (DTensor / FSDP2) states: torch.distributed.checkpoint through the storage plugin --------------------
-def dcp_storage_writer(folder: Path, durable: bool, threads: int) -> Any:
-    """The DCP ``StorageWriter`` a sharded save writes one part with, into ``folder`` inside the staging folder
-    (fastckpt.dcp, ``commit=False``: the save commits the whole checkpoint once)."""
-    import fastckpt.dcp
-
-    return fastckpt.dcp.StorageWriter(folder, threads=threads, durable=durable, commit=False)
-
-
-def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *, verify: bool = True,
-                       threads: int = 0) -> Any:
-    """The DCP ``StorageReader`` a sharded load reads one part with (``checksums``: the part's files as the
-    checkpoint's manifest records them, ``{file name: {"bytes", "crc32c", "tensors"}}``)."""
-    import fastckpt.dcp
-
-    return fastckpt.dcp.StorageReader(folder, threads=threads, verify=verify, checksums=checksums)
-
-
-def _save_sharded(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,
-                  project_dir: Any, total_limit: int | None, step: int, durable: bool, threads: int,
-                  max_shard_size: Any, compat: Any, async_save: bool, timeout: float) -> Path:
-    for name, value in (("max_shard_size", None if model_only else max_shard_size), ("compat", compat)):
-        if value is not None:
-            raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
-                             "written through torch.distributed.checkpoint; pass None")
-    if max_shard_size is not None:
-        from fastckpt._io.shards import parse_size
-
-        max_shard_size = parse_size(max_shard_size)
-    if async_save:
-        raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
-                         "save with async_save=False")
-    root = Path(project_dir if project_dir is not None else os.getcwd())
-    target = next_checkpoint_dir(root, model_only=model_only) if output_dir is None else Path(output_dir)
-    path = save_sharded(models, optimizers, schedulers, target=target.absolute(), model_only=model_only,
-                        step=step, durable=durable, threads=threads, timeout=timeout,
-                        writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
-    if output_dir is None and total_limit is not None and process_rank() == 0:
-        rotate_checkpoints(root, total_limit)
-    return path
-
-
-def _load_sharded(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
-                  strict: bool, threads: int, verify: bool, timeout: float) -> LoadResult:
-    from fastckpt.errors import MissingStateError
-
-    session = Session(f"load_state from {folder.absolute()}", timeout)
-    mode = None if is_sharded_checkpoint(folder) else _saved_mode(folder)
-    if mode == "model_only" and not model_only and (optimizers or schedulers):
-        raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer or scheduler state; "
-                                "load it with model_only=True, or pass no optimizer/scheduler. Nothing was changed.")
-    if mode is not None and (model_only or mode == "model_only"):  # model files (a model-only save: HF files)
-        return _load_full_into_sharded(folder, models, model_only=model_only, strict=strict, verify=verify,
-                                       threads=threads, session=session)
-    error: BaseException | None = None
-    try:
-        if not is_sharded_checkpoint(folder):
-            raise MissingStateError(f"{folder}: not a sharded checkpoint; a sharded (DTensor / FSDP2) model loads "
-                                    "checkpoints saved from sharded models")
-    except Exception as exc:  # reported to every rank with the validation (plan_sharded_load's one round)
-        error = exc
-    if error is None and not model_only and session.rank == 0:
-        from fastckpt._state.rng import warn_unrestored
-
-        warn_unrestored(folder, session.world, stacklevel=4)
-    plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                             session=session, reader_factory=dcp_storage_reader,
-                             rng_rank=None if model_only else session.rank, failed=error, verify=verify,
-                             threads=threads)
-    plan.apply()
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)
-
-
-def _saved_mode(folder: Path) -> Any:
-    from fastckpt._io.layout import read_manifest
-    from fastckpt.errors import MissingStateError
-
-    try:
-        return read_manifest(folder, check_sizes=False).get("mode")
-    except (MissingStateError, ValueError):
-        return None
-
-
-def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, strict: bool, verify: bool,
-                            threads: int, session: Session) -> LoadResult:
-    """Full model files (a model-only save, from one process or FSDP2) into sharded models: every rank reads and
-    checks the full tensors, every rank agrees, then ``set_model_state_dict(full_state_dict=True)`` keeps each
-    rank's shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from fastckpt._io.layout import checkpoint_layout
-    from fastckpt._plan.full_load import plan_full
-
-    full: list = []
-    error: BaseException | None = None
-    try:
-        with pinned(folder, verify=verify, threads=threads, defer=True) as handle:  # every file summed at the end
-            full = plan_full(handle, models, [], model_only=True, strict=strict, layout=checkpoint_layout(handle))
-    except Exception as exc:
-        error = exc
-    session.agree(error, step="validate")
-    missing: list[str] = []
-    unexpected: list[str] = []
-    for _, model, state, miss, unexp in full:
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
-        missing += miss
-        unexpected += unexp
-    return LoadResult(missing, unexpected)

@@ -15,7 +15,8 @@ from fastckpt._plan.full_load import plan_full
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 from fastckpt.accelerate.project import choose_target, project_root
-from fastckpt.checkpoint import LoadResult, dcp_storage_reader, dcp_storage_writer
+from fastckpt.checkpoint import LoadResult
+from fastckpt.checkpoint_sharded import dcp_storage_reader, dcp_storage_writer
 from fastckpt.errors import MissingStateError
 
 __all__ = ["plan_full", "save_sharded_state", "load_sharded_state"]
