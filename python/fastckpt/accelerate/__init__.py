@@ -45,39 +45,34 @@ from typing import Any, Callable, Literal, Sequence, overload
 import torch
 
 from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, gather_to_main, on_main
+from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, on_main
 from fastckpt._io.folder import opened_files, pinned
 from fastckpt._io.layout import (
     checkpoint_layout,
     checkpoint_numbers,
     random_states_name,
-    rotate_checkpoints,
 )
 from fastckpt._io.log import log_load
 from fastckpt._io.participation import GRACE, participants
 from fastckpt._plan.load import check_input_dir, plan_load
-from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
-from fastckpt._state.rng import RngRestoreWarning, rng_payload, warn_unrestored
+from fastckpt._state.rng import RngRestoreWarning, warn_unrestored
 from fastckpt.accelerate.checks import check_save_args, check_supported
-from fastckpt.accelerate.fsdp import load_sharded_state, plan_full, save_sharded_state
-from fastckpt.accelerate.project import choose_target, project_root, set_iteration
+from fastckpt.accelerate.fsdp import load_sharded_state, plan_full
+from fastckpt.accelerate.project import project_root, set_iteration
 from fastckpt.accelerate.remote import (
     check_remote_save,
-    choose_remote_target,
     fetched_on_every_rank,
     remote_location,
     set_remote_iteration,
-    write_remote,
 )
+from fastckpt.accelerate.saving import DEFAULT_MAX_SHARD_SIZE, UNSET, save_tracked
 from fastckpt.checkpoint import LoadResult
 from fastckpt.errors import CheckpointError, MissingStateError
 
 __all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
 
-#: accelerate's ``save_model`` default; applies to fastckpt's layout (``compat="accelerate"`` is unsharded).
-DEFAULT_MAX_SHARD_SIZE = "10GB"
-_DEFAULT: Any = object()
+_DEFAULT = UNSET
 
 
 @overload
@@ -219,7 +214,7 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
                   remote=remote, project=project)
     what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
     if every_process or participants(what, timeout) == "all":
-        return _save(accelerator, output_dir, fsdp, **kwargs)
+        return save_tracked(accelerator, output_dir, fsdp, **kwargs)
     if fsdp is not None:  # the state is sharded or gathered: every process holds part of it
         raise CheckpointError(
             f"{what}: called on the main process only, but the model is sharded (FSDP2 {fsdp}): every process "
@@ -227,123 +222,7 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
             f"other {accelerator.num_processes - 1} joined within {min(GRACE, timeout):g} s); "
             "call it outside `if accelerator.is_main_process:`")
     with alone():  # the diffusers pattern: the main process's files and its RNG file, as stock accelerate writes
-        return _save(accelerator, output_dir, fsdp, **kwargs)
-
-
-def _save(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_only: bool, compat: str | None,
-          max_shard_size: Any, durable: bool, threads: int, trainable_only: bool, trainable_buffers: Sequence[str],
-          dtype: Any, share_unchanged: bool, timeout: float, async_save: bool | str,
-          host_memory_budget: Any, files: dict[str, str | bytes] | None,
-          after_commit: Callable[[Path], None] | None, remote: Any, project: Any) -> Path | AsyncSave | str:
-    if fsdp == "SHARDED_STATE_DICT":
-        return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
-                             timeout=timeout)
-    if max_shard_size is _DEFAULT:
-        max_shard_size = None if compat else DEFAULT_MAX_SHARD_SIZE
-    elif compat and max_shard_size is not None:
-        raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
-                         "pass max_shard_size=None")
-    if remote is not None or project is not None:
-        target, number = on_main(lambda: choose_remote_target(accelerator, remote, project, model_only),
-                                 what="choosing the checkpoint", timeout=timeout)
-    else:
-        target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
-                                 what="choosing the checkpoint folder", timeout=timeout)
-    models = list(accelerator._models)
-    unwrapped = [accelerator.unwrap_model(m) for m in models]
-    full_optimizers = None
-    if fsdp == "FULL_STATE_DICT":  # gathered to the main process (every process takes part)
-        from fastckpt._state.sharded_full import full_model_states, full_optimizer_states
-
-        weights = full_model_states(unwrapped)
-        full_optimizers = None if model_only else full_optimizer_states(unwrapped, list(accelerator._optimizers))
-    elif compat:
-        weights = [accelerator.get_state_dict(m, unwrap=False) for m in models]
-    else:
-        weights = [m.state_dict() for m in unwrapped]
-    hooks = list(accelerator._save_model_state_pre_hook.values())
-    if hooks:
-        os.makedirs(target, exist_ok=True)
-        for hook in hooks:
-            hook(models, weights, str(target))
-    step = int(accelerator.step)
-    rng = None
-    if not model_only:
-        if compat:
-            from fastckpt._plan.accelerate_format import accelerate_rng_state, torch_save_bytes
-
-            rng = gather_to_main(torch_save_bytes(accelerate_rng_state(step)), timeout=timeout)
-        else:  # tensors travel as numpy arrays: torch's object collectives cannot unpickle tensors reliably
-            tensors, metadata = rng_payload(step)
-            gathered = gather_to_main(({k: v.cpu().numpy() for k, v in tensors.items()}, metadata), timeout=timeout)
-            rng = None if gathered is None else [({k: torch.from_numpy(a) for k, a in t.items()}, m)
-                                                 for t, m in gathered]
-
-    optimizers, schedulers = list(accelerator._optimizers), list(accelerator._schedulers)
-    plan_optimizers = full_optimizers if full_optimizers is not None else optimizers
-    share_hooks: list = []  # share_unchanged: called with the folder once it is committed
-
-    def build() -> Any:
-        from fastckpt._plan.accelerate_format import build_accelerate_plan
-        from fastckpt.accelerate.tracked_objects import add_tracked_objects
-
-        if compat:
-            plan = build_accelerate_plan(unwrapped, plan_optimizers, schedulers, model_only=model_only, step=step,
-                                         model_states=weights, rng_pickles=rng)
-        else:
-            plan = build_save_plan(unwrapped, plan_optimizers, schedulers, model_only=model_only, step=step,
-                                   max_shard_size=None if share_unchanged else max_shard_size, model_states=weights,
-                                   rng_states=rng, trainable_only=trainable_only,
-                                   trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
-        for name, text in (files or {}).items():
-            if name in plan.texts or any(p.name == name for p in plan.parts):
-                raise ValueError(f"{name}: a file of the checkpoint's own layout; pick another name")
-            plan.texts[name] = text
-        if not model_only:
-            plan.counts["processes"] = len(rng or [])
-            add_tracked_objects(plan, accelerator, compat=bool(compat))
-        if share_unchanged:
-            from fastckpt._plan.share import plan_sharing, previous_checkpoint
-
-            share_hooks.append(plan_sharing(plan, unwrapped, previous_checkpoint(project_root(accelerator), target),
-                                             max_shard_size=max_shard_size, threads=threads))
-        return plan
-
-    def rotate() -> None:
-        for hook in share_hooks:
-            if hook is not None:
-                hook(target)
-        limit = accelerator.project_configuration.total_limit
-        if number is not None and limit is not None:
-            rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)
-        if after_commit is not None:
-            after_commit(target)
-
-    def write() -> Path | str:
-        from fastckpt._io.commit import write_checkpoint
-
-        if remote is not None or project is not None:  # one commit of every process's files, made by this one
-            return write_remote(accelerator, target, number, lambda folder: write_checkpoint(
-                build(), folder, durable=False, threads=threads), model_only=model_only)
-        write_checkpoint(build(), target, durable=durable, threads=threads)
-        rotate()
-        return target
-
-    if async_save:
-        from fastckpt.accelerate.async_save import save_async
-
-        handle = save_async(build, rotate, target, [] if model_only else optimizers, durable=durable,
-                            threads=threads, budget=host_memory_budget, mode=async_save)
-        if not model_only:
-            config = accelerator.project_configuration
-            config.iteration = number + 1 if number is not None else config.iteration + 1
-        return handle
-
-    path = on_main(write, what=f"saving {target}", timeout=timeout)  # the outcome broadcast ends the save
-    config = accelerator.project_configuration
-    if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
-        config.iteration = number + 1 if number is not None else config.iteration + 1
-    return path
+        return save_tracked(accelerator, output_dir, fsdp, **kwargs)
 
 
 def _resolve(accelerator: Any, input_dir: Any, model_only: bool) -> Path:
