@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import uuid
 import weakref
 from pathlib import Path
@@ -27,7 +25,7 @@ from fastckpt._io.commit import check_target, fsync_dir, write_text
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
 from fastckpt._io.location import check_location
-from fastckpt._io.object_commit import commit_save, new_save, upload_objects
+from fastckpt._io.object_commit import commit_save, new_save, upload_tensor_objects, upload_texts
 from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt._io.staging import OwnedPath, clean_leftovers
 from fastckpt.dcp.gc_pause import gc_paused
@@ -171,11 +169,10 @@ class StorageWriter(_DCPStorageWriter):
         """Every rank: encode the non-tensor values, then write this rank's chunks in one parallel pass."""
         info = plan.storage_data
         file = info["file"]
-        # s3: a private local folder, uploaded then removed; commit=False: this writer's own path on every rank (a
-        # cached plan's folder is the last save's); commit=True: the staging folder the coordinator made, in the plan
-        if info["folder"] is None:
-            folder = Path(tempfile.mkdtemp(prefix="fastckpt-s3-"))
-        else:
+        # s3: no folder (uploaded from memory); commit=False: this writer's own path on every rank (a cached plan's
+        # folder is the last save's); commit=True: the staging folder the coordinator made, in the plan
+        folder = None
+        if info["folder"] is not None:
             folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
@@ -214,17 +211,16 @@ class StorageWriter(_DCPStorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": file, "name": name}))
         digest = None
-        try:
-            if tensors:
-                sources = tensor_sources(tensors)
+        if tensors:
+            sources = tensor_sources(tensors)
+            if folder is None:  # s3: straight from the tensors' memory, crc32c summed as the parts go out
+                assert self.url is not None
+                digest = upload_tensor_objects(open_store(self.url.bucket, self.storage_options), self.url,
+                                               info["save_id"], [(file, sources, [("format", "pt")])],
+                                               threads=self.threads)[0]
+            else:
                 digest = _core.write_files_checked([(str(folder / file), sources, [("format", "pt")])],
-                                                   durable=self.durable and self.url is None, threads=self.threads)[0]
-                if self.url is not None:  # upload, crc32c checked against the writer's
-                    upload_objects(open_store(self.url.bucket, self.storage_options), self.url, info["save_id"],
-                                   folder, [file], {"files": {file: {"bytes": digest[0], **digest_entry(digest)}}})
-        finally:
-            if info["folder"] is None:
-                shutil.rmtree(folder, ignore_errors=True)
+                                                   durable=self.durable, threads=self.threads)[0]
         entry = None if digest is None else (file, digest)
         results = [dataclasses.replace(r, storage_data={**r.storage_data, "digest": entry}) for r in results]
         fut: Future[list[WriteResult]] = Future()
@@ -282,9 +278,7 @@ class StorageWriter(_DCPStorageWriter):
         assert self.url is not None and self._remote is not None
         store = open_store(self.url.bucket, self.storage_options)
         number, save_id = self._remote
-        with tempfile.TemporaryDirectory(prefix="fastckpt-s3-") as tmp:
-            (Path(tmp) / METADATA_FILE).write_bytes(text)
-            upload_objects(store, self.url, save_id, Path(tmp), [METADATA_FILE], {"files": files})
+        upload_texts(store, self.url, save_id, {METADATA_FILE: text})
         sizes = {name: entry["bytes"] for name, entry in files.items()}
         checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
         manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)
