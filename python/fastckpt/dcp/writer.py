@@ -38,6 +38,29 @@ def shard_file_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
+def object_groups(sizes: dict[str, int], part_size: int, concurrency: int) -> list[list[str]]:
+    """The tensors ``{name: bytes}`` of one rank's s3 save split into objects, in order: each closes before the
+    tensor that would take it past ``max(part_size, total / concurrency)`` bytes (a larger tensor is an object of
+    its own). A rank's data below ``concurrency`` parts so goes as parallel single PUTs of about one part each
+    (no multipart upload to assemble); more data gives at most about ``2 * concurrency`` multipart objects."""
+    limit = max(part_size, -(-sum(sizes.values()) // concurrency))
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name, n in sizes.items():
+        if groups[-1] and held + n > limit:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += n
+    return groups
+
+
+def _object_file(file: str, k: int) -> str:
+    """``shard-00000-of-00002.safetensors`` -> ``shard-00000-of-00002.00001.safetensors``: the rank's ``k``-th
+    further object of an s3 save."""
+    return f"{file.removesuffix('.safetensors')}.{k:05d}.safetensors"
+
+
 def _chunk_name(fqn: str, offsets: Any, sizes: Any, full: Any) -> str:
     offs = [int(o) for o in offsets]
     if list(sizes) == list(full) and not any(offs):
@@ -210,19 +233,25 @@ class StorageWriter(_DCPStorageWriter):
                     names[key] = name
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": file, "name": name}))
-        digest = None
-        if tensors:
-            sources = tensor_sources(tensors)
-            if folder is None:  # s3: straight from the tensors' memory, crc32c summed as the parts go out
-                assert self.url is not None
-                digest = upload_tensor_objects(open_store(self.url.bucket, self.storage_options), self.url,
-                                               info["save_id"], [(file, sources, [("format", "pt")])],
-                                               threads=self.threads)[0]
-            else:
-                digest = _core.write_files_checked([(str(folder / file), sources, [("format", "pt")])],
-                                                   durable=self.durable, threads=self.threads)[0]
-        entry = None if digest is None else (file, digest)
-        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digest": entry}) for r in results]
+        digests: list[tuple[str, tuple]] = []
+        if tensors and folder is None:  # s3: straight from the tensors' memory, crc32c summed as the parts go out
+            assert self.url is not None
+            store = open_store(self.url.bucket, self.storage_options)
+            groups = object_groups({n: t.numel() * t.element_size() for n, t in tensors.items()}, *store.transfer)
+            files = [file if k == 0 else _object_file(file, k) for k in range(len(groups))]
+            where = {name: f for f, group in zip(files, groups) for name in group}
+            results = [dataclasses.replace(r, storage_data={**r.storage_data, "file": where[r.storage_data["name"]]})
+                       if "name" in r.storage_data else r for r in results]
+            jobs = [(f, tensor_sources({n: tensors[n] for n in group}), [("format", "pt")])
+                    for f, group in zip(files, groups)]
+            found = upload_tensor_objects(store, self.url, info["save_id"], jobs, threads=self.threads)
+            digests = list(zip(files, found))
+        elif tensors:
+            assert folder is not None
+            digests = [(file, _core.write_files_checked([(str(folder / file), tensor_sources(tensors),
+                                                          [("format", "pt")])],
+                                                        durable=self.durable, threads=self.threads)[0])]
+        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digests": digests}) for r in results]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -240,8 +269,7 @@ class StorageWriter(_DCPStorageWriter):
         for rank_results in results:
             for r in rank_results:
                 data = r.storage_data
-                if data.get("digest") is not None:
-                    name, digest = data["digest"]
+                for name, digest in data.get("digests", ()):
                     files[name] = {"bytes": digest[0], **digest_entry(digest)}
                 if "object" in data:
                     objects[r.index.fqn] = data["object"]

@@ -60,6 +60,16 @@ fn crc_of(pieces: Vec<PieceCrc>) -> u32 {
     fold(pieces, Vec::new()).file_crc32c
 }
 
+/// The parts an object of `size` bytes is uploaded in: one (a single PUT) up to `part + part / 8` bytes, so an
+/// object of one part's worth of tensors plus its header is not a multipart upload with a tiny last part; else
+/// `part` sized pieces.
+fn upload_ranges(size: u64, part: u64) -> Vec<Range<u64>> {
+    if size <= part + part / 8 {
+        return std::iter::once(0..size).collect();
+    }
+    ranges(size, part)
+}
+
 /// Byte ranges of `size` bytes in `part` sized pieces (one empty range for an empty object).
 fn ranges(size: u64, part: u64) -> Vec<Range<u64>> {
     if size == 0 {
@@ -202,7 +212,7 @@ impl Store {
         part: impl Fn(&Range<u64>) -> Part,
     ) -> Result<Vec<PieceCrc>> {
         let path = Path::from(key);
-        let parts = ranges(size, self.transfer.part_size);
+        let parts = upload_ranges(size, self.transfer.part_size);
         if parts.len() == 1 {
             let _permit = permits.acquire().await.expect("semaphore open");
             let (payload, pieces) = part(&parts[0]);
@@ -345,6 +355,19 @@ mod tests {
         assert_eq!(ranges(0, 5), std::iter::once(0..0).collect::<Vec<_>>());
         assert_eq!(ranges(5, 5), std::iter::once(0..5).collect::<Vec<_>>());
         assert_eq!(ranges(11, 5), vec![0..5, 5..10, 10..11]);
+    }
+
+    #[test]
+    fn objects_up_to_an_eighth_over_one_part_go_in_one_put() {
+        assert_eq!(
+            upload_ranges(0, 8),
+            std::iter::once(0..0).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            upload_ranges(9, 8),
+            std::iter::once(0..9).collect::<Vec<_>>()
+        );
+        assert_eq!(upload_ranges(10, 8), vec![0..8, 8..10]);
     }
 
     #[test]
