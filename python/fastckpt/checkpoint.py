@@ -317,12 +317,12 @@ def save_state(
                                max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
                                trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
 
-        def write(folder: Path) -> None:  # tensors off the CPU: a local save (host copies) into a folder, uploaded
+        def write_local(folder: Path) -> None:  # tensors off the CPU: a local save (host copies), then uploaded
             save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
                        threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
                        trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
 
-        return save_remote(remote, project, write, plan=None if has_device_tensors(plan) else plan, threads=threads,
+        return save_remote(remote, project, write_local, plan=None if has_device_tensors(plan) else plan, threads=threads,
                            model_only=model_only, total_limit=total_limit, storage_options=storage_options)
     check_mode(async_save)
     finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight

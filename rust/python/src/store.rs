@@ -25,6 +25,14 @@ fn to_py(err: StoreError) -> PyErr {
     }
 }
 
+/// One object of `upload_tensors`, converted: `(key, url, sources, metadata)`.
+type HeldJob = (
+    String,
+    String,
+    Vec<HeldSource>,
+    Option<Vec<(String, String)>>,
+);
+
 /// One bucket; see `fastckpt/_core.pyi`.
 #[pyclass(frozen, module = "fastckpt._core")]
 pub struct ObjectStore {
@@ -113,12 +121,7 @@ impl ObjectStore {
         threads: usize,
     ) -> PyResult<Vec<FileDigest>> {
         type Job<'py> = (String, Bound<'py, PyAny>, Option<Vec<(String, String)>>);
-        let mut held: Vec<(
-            String,
-            String,
-            Vec<HeldSource>,
-            Option<Vec<(String, String)>>,
-        )> = Vec::new();
+        let mut held: Vec<HeldJob> = Vec::new();
         for job in jobs.try_iter()? {
             let (key, tensors, metadata): Job<'_> = job?.extract()?;
             let url = self.store.url(&key);
