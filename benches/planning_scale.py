@@ -125,13 +125,13 @@ def writer_merge(world: int, plans: list[Any], metadata: Any, folder: pathlib.Pa
     results = []
     for plan in final:
         file = plan.storage_data["file"]
-        digest = (1 << 20, 0, [], [])
+        digests = [(file, (1 << 20, 0, [], []))]  # one list per rank, shared by its results as write_data does
         rank_results = []
         for item in plan.items:
             chunk = item.tensor_data.chunk
             name = _chunk_name(item.index.fqn, chunk.offsets, chunk.sizes, item.tensor_data.size)
             rank_results.append(WriteResult(index=item.index, size_in_bytes=4, storage_data={
-                "file": file, "name": name, "digest": (file, digest)}))
+                "file": file, "name": name, "digests": digests}))
         results.append(rank_results)
     writer.finish(metadata, results)
     assert set(writer.files) >= {shard_file_name(r, world) for r, p in enumerate(final) if p.items}

@@ -13,9 +13,12 @@ state to a new prefix is timed (wall seconds, to the committed checkpoint), then
 the end; the prefix is deleted after the round. Reported: median seconds and MB/s per contender, and the median over
 rounds of fastckpt's per-round speed-up against each (``x`` > 1: fastckpt faster).
 
-Contenders: ``fastckpt.dcp.StorageWriter/StorageReader`` (s3:// through the Rust object_store client: 16 MiB parts,
-16 requests in flight), DCP's ``FsspecWriter/FsspecReader`` with s3fs at its default ``thread_count=1`` and at
-``thread_count=8``. s3torchconnector's ``S3StorageWriter`` is not included (not installed here: its CRT client).
+Contenders: ``fastckpt.dcp.StorageWriter/StorageReader`` (s3:// through the Rust object_store client, uploading
+straight from tensor memory: 16 MiB parts, 16 requests in flight), DCP's ``FsspecWriter/FsspecReader`` with s3fs,
+and s3torchconnector's ``S3StorageWriter/S3StorageReader`` (the AWS CRT client), each at its default
+``thread_count=1`` and at ``thread_count=8`` (the rank's data split into 8 files written by 8 threads).
+``--contenders`` picks some; ``FASTCKPT_BENCH_OPTIONS=part_size=...,concurrency=...`` sets fastckpt's
+``storage_options`` (for profiling).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONTENDERS = ["fastckpt", "fsspec_t1", "fsspec_t8"]
+CONTENDERS = ["fastckpt", "fsspec_t1", "fsspec_t8", "s3torch_t1", "s3torch_t8"]
 BUCKET = "bench"
 
 
@@ -43,18 +46,37 @@ def _state(mb: int) -> dict:
     return {f"w{i}": torch.randn(rows, 1024, generator=g) for i in range(16)}
 
 
-def _pair(name: str, url: str):
-    import torch.distributed.checkpoint as dcp
+def _options() -> dict[str, str]:
+    """fastckpt's ``storage_options`` from ``FASTCKPT_BENCH_OPTIONS`` (``key=value,key=value``; for profiling)."""
+    text = os.environ.get("FASTCKPT_BENCH_OPTIONS", "")
+    return dict(item.split("=", 1) for item in text.split(",") if item)
 
+
+def _pair(name: str, url: str):
     import fastckpt.dcp
 
     if name == "fastckpt":
-        return fastckpt.dcp.StorageWriter(url), fastckpt.dcp.StorageReader(url)
+        options = _options() or None
+        return (fastckpt.dcp.StorageWriter(url, storage_options=options),
+                fastckpt.dcp.StorageReader(url, storage_options=options))
+    threads = int(name.rsplit("_t", 1)[1])
+    if name.startswith("s3torch"):
+        # S3StorageWriter/Reader take no endpoint: their S3Client is replaced by one for the local server
+        # (S3Client(endpoint=...), path-style addressing as moto needs on localhost)
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+        region, endpoint = os.environ["AWS_REGION"], os.environ["AWS_ENDPOINT_URL"]
+        config = S3ClientConfig(force_path_style=True)
+        writer = S3StorageWriter(region, url, s3client_config=config, thread_count=threads)
+        reader = S3StorageReader(region, url, s3client_config=config)
+        for plugin in (writer, reader):
+            plugin.fs._client = S3Client(region, endpoint=endpoint, s3client_config=config)
+        return writer, reader
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    threads = int(name.rsplit("_t", 1)[1])
     return FsspecWriter(url, thread_count=threads, sync_files=False), FsspecReader(url)
-    del dcp
 
 
 def _peak_rss_mb() -> float:
@@ -125,17 +147,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, fastckpt first")
     parser.add_argument("--one", nargs=2, metavar=("NAME", "PREFIX"), help=argparse.SUPPRESS)
     parser.add_argument("--write-results", action="store_true", help="append the table to benches/RESULTS.md")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(args.one[0], args.mb, args.one[1])))
         return
+    contenders = args.contenders.split(",")
+    assert contenders[0] == "fastckpt" and set(contenders) <= set(CONTENDERS), contenders
     server, env = _server()
-    results: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+    results: dict[str, list[dict]] = {c: [] for c in contenders}
     try:
         for r in range(args.rounds):
-            order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
+            order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             for name in order:
                 prefix = f"{name}-r{r}"
                 out = subprocess.run([sys.executable, __file__, "--mb", str(args.mb), "--one", name, prefix],

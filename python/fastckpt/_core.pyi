@@ -354,5 +354,15 @@ class ObjectStore:
     def abort_upload(self, key: str, upload_id: str) -> None: ...
     def upload_files(self, jobs: Sequence[tuple[_StrPath, str]]) -> builtins.list[tuple[int, int]]:
         """Upload each ``(local file, key)`` (parallel multipart parts); ``[(size, crc32c)]`` in order."""
+    def upload_tensors(
+        self, jobs: Iterable[tuple[str, Iterable[_TensorSource], _Metadata]], *, threads: int = 0
+    ) -> builtins.list[_FileDigest]:
+        """Upload each ``(key, tensors, metadata)`` as the safetensors object :func:`write_files_checked` would write
+        for it, straight from the tensors' memory: parallel multipart parts, each copied (strided tensors gathered)
+        into its request body once it holds one of ``concurrency`` request permits, so about
+        ``concurrency * part_size`` bytes are buffered at a time. Returns a :data:`_FileDigest` per job (crc32c
+        summed as the parts are built; content hashes on ``threads`` workers). The tensors must not change until it
+        returns (GIL released). Raises as :func:`write_file` for a bad source (nothing sent), OSError naming the
+        object when the store fails (a started multipart upload is aborted)."""
     def download_files(self, jobs: Sequence[tuple[str, _StrPath, int]]) -> builtins.list[int]:
         """Download each ``(key, local file, size)`` by ranged parallel reads; ``[crc32c]`` in order."""

@@ -268,9 +268,11 @@ def save_state(
             upload in flight (raising its error if no ``wait()`` did).
 
     Object storage: ``output_dir="s3://bucket/prefix"`` (or ``project_dir="s3://bucket/run"`` for automatic naming
-    and ``total_limit`` rotation) writes the checkpoint in a private local folder, uploads every file under a new
-    save-id prefix (parallel multipart uploads, crc32c checked against the writer's) and commits by creating
-    ``prefix/manifests/{n}.json`` last with a conditional put; older saves' objects are deleted only after that (see
+    and ``total_limit`` rotation) uploads every file under a new save-id prefix straight from the tensors' memory
+    (parallel multipart uploads, each part serialized into its request body as it goes out: about
+    ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first written to a
+    private local folder, then uploaded) and commits by creating ``prefix/manifests/{n}.json`` last with a
+    conditional put; older saves' objects are deleted only after that (see
     :mod:`fastckpt._io.object_commit`). Not with ``async_save``, ``share_unchanged`` or sharded models yet.
 
     Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
@@ -319,14 +321,18 @@ def save_state(
             raise ValueError("async_save, share_unchanged and sharded (DTensor / FSDP2) models are not supported "
                              "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
         _check_save_args(model, threads, step, total_limit)
+        plan = build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
+                               _as_list(scheduler, "scheduler"), model_only=model_only, step=step,
+                               max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
+                               trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
 
-        def write(folder: Path) -> None:
+        def write_local(folder: Path) -> None:  # tensors off the CPU: a local save (host copies), then uploaded
             save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
                        threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
                        trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
 
-        return save_remote(remote, project, write, model_only=model_only, total_limit=total_limit,
-                           storage_options=storage_options)
+        return save_remote(remote, project, write_local, plan=None if has_device_tensors(plan) else plan, threads=threads,
+                           model_only=model_only, total_limit=total_limit, storage_options=storage_options)
     check_mode(async_save)
     finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)

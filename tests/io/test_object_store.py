@@ -58,6 +58,78 @@ def test_full_state_round_trip_is_bit_exact_and_objects_match_a_local_save(s3_ur
     assert loaded_fingerprint(s3_url, 2) == expected_fingerprint(3, 2)
 
 
+def _no_local_folders(monkeypatch) -> None:
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an s3:// save of CPU tensors made a local folder")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+
+
+def test_a_save_uploads_from_memory_the_bytes_and_checksums_a_local_save_writes(s3_url, tmp_path, monkeypatch):
+    """No local folder is made (the objects are serialized from the tensors' memory as they go out); every object
+    holds exactly the bytes of the local save's file and the manifest object records the local manifest's sizes
+    and checksums (crc32c per file and tensor, content hashes), multipart (5 MiB parts) or not."""
+    model, opt, sched = build_state(6, 12)
+    local = fastckpt.save_state(model, opt, sched, output_dir=tmp_path / "local", step=3)
+    _no_local_folders(monkeypatch)
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url, step=3,
+                        storage_options={"part_size": str(5 * MiB), "concurrency": "3"})
+    monkeypatch.undo()
+    objects = _objects(s3_url)
+    assert sorted(objects) == sorted(p.name for p in local.iterdir() if p.name != "fastckpt.json")
+    assert max((local / n).stat().st_size for n in objects) > 10 * MiB  # at least one object of 3+ parts
+    for name, key in objects.items():
+        assert _get(key) == (local / name).read_bytes(), name
+    committed = json.loads(_get(keys(key_prefix(s3_url) + "/manifests/")[0]))
+    local_manifest = json.loads((local / "fastckpt.json").read_text())
+    assert committed["manifest"]["files"] == local_manifest["files"]
+    assert {n: o["crc32c"] for n, o in committed["objects"].items()} == {
+        n: e["crc32c"] for n, e in local_manifest["files"].items()}
+    assert loaded_fingerprint(s3_url, 12) == expected_fingerprint(6, 12)
+
+
+def test_dcp_object_groups_close_before_the_tensor_that_would_pass_the_limit():
+    from fastckpt.dcp.writer import object_groups
+
+    assert object_groups({"a": 8, "b": 8, "c": 8}, 16, 16) == [["a", "b"], ["c"]]
+    assert object_groups({"a": 30, "b": 1, "c": 1}, 16, 16) == [["a"], ["b", "c"]]
+    assert object_groups({f"t{i}": 10 for i in range(8)}, 16, 2) == [[f"t{i}" for i in range(4)],
+                                                                      [f"t{i}" for i in range(4, 8)]]
+    assert object_groups({}, 16, 4) == [[]]
+
+
+def test_dcp_save_uploads_strided_and_tied_tensors_from_memory_bit_exact(s3_url, tmp_path, monkeypatch):
+    """A rank's tensors go straight from memory into objects of about one part each, uploaded in parallel (a
+    transposed and a row-strided view gathered as they go out; tied views stored once)."""
+    import fastckpt.dcp
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(1536, 1024, generator=g)
+    state = {"t": base.t(), "rows": base[::3], "same": base, "tied": base, "small": torch.arange(5)}
+    _no_local_folders(monkeypatch)
+    fastckpt.dcp.save(state, s3_url, storage_options={"part_size": str(5 * MiB), "concurrency": "2"})
+    monkeypatch.undo()
+    fastckpt.dcp.save(state, tmp_path / "local")
+    # 14 MiB over 2 requests in flight: objects of at most 7 MiB of tensors, each one PUT (the 6 MiB ones too)
+    shards = {n: k for n, k in _objects(s3_url).items() if n.endswith(".safetensors")}
+    assert sorted(shards) == ["shard-00000-of-00001.00001.safetensors", "shard-00000-of-00001.00002.safetensors",
+                              "shard-00000-of-00001.safetensors"]
+    assert not [k for k in keys(key_prefix(s3_url) + "/") if k.endswith(".fastckpt-upload")]
+    stored = {}
+    for key in shards.values():
+        stored.update(safetensors.torch.load(_get(key)))
+    local = safetensors.torch.load_file(tmp_path / "local" / "shard-00000-of-00001.safetensors")
+    assert sorted(stored) == sorted(local)
+    for k, v in local.items():
+        assert torch.equal(stored[k], v), k
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    fastckpt.dcp.load(target, s3_url)
+    for k, v in state.items():
+        assert torch.equal(target[k], v), k
+
+
 def test_sharded_multipart_round_trip(s3_url):
     """max_shard_size splits the model; 5 MiB parts make each 8 MiB shard a multipart upload (2 parts)."""
     model, opt, sched = build_state(4, 16)

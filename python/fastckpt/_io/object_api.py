@@ -2,7 +2,8 @@
 project prefix), save through a local staging folder and commit remotely, or fetch and load locally.
 
 The public calls (``save_state``, ``load_state``, ``latest_checkpoint``, ``verify_checkpoint``, the CLI) hand a
-callable that does the local work on a folder; everything about the store stays in ``_io``.
+callable that does the local work on a folder (or, for a save, the plan to upload from memory); everything about
+the store stays in ``_io``.
 
 May import: layers 0-1 and other ``_io`` modules.
 """
@@ -14,7 +15,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fastckpt._io.object_commit import fetched_checkpoint, save_object_checkpoint
+from fastckpt._io.files import SavePlan
+from fastckpt._io.object_commit import fetched_checkpoint, save_object_checkpoint, save_plan_objects
 from fastckpt._io.object_project import (
     latest_object_checkpoint,
     next_object_checkpoint,
@@ -45,9 +47,12 @@ def remote_target(folder: Any, project_dir: Any, folder_arg: str) -> tuple[Objec
 
 
 def save_remote(url: ObjectUrl | None, project: ObjectUrl | None, write: Callable[[Path], Any], *,
-                model_only: bool, total_limit: int | None, storage_options: Mapping[str, Any] | None) -> str:
-    """Run ``write(local_folder)`` and commit the folder at ``url`` (or the next ``checkpoint_n`` of ``project``);
-    rotate the project's checkpoints of that kind to ``total_limit`` after the commit. Returns the URL."""
+                model_only: bool, total_limit: int | None, storage_options: Mapping[str, Any] | None,
+                plan: SavePlan | None = None, threads: int = 0) -> str:
+    """Save to ``url`` (or the next ``checkpoint_n`` of ``project``) and commit there: ``plan`` uploaded straight
+    from its tensors' memory when given (:func:`fastckpt._io.object_commit.save_plan_objects`), else the folder
+    ``write(local_folder)`` writes, uploaded; then rotate the project's checkpoints of that kind to ``total_limit``.
+    Returns the URL."""
     target = url if url is not None else project
     assert target is not None
     store = open_store(target.bucket, storage_options)
@@ -56,7 +61,10 @@ def save_remote(url: ObjectUrl | None, project: ObjectUrl | None, write: Callabl
         assert project is not None
         url = next_object_checkpoint(store, project, model_only=model_only)
     assert url is not None
-    save_object_checkpoint(store, url, write)
+    if plan is not None:
+        save_plan_objects(store, url, plan, threads=threads)
+    else:
+        save_object_checkpoint(store, url, write)
     if auto and total_limit is not None:
         assert project is not None
         rotate_object_checkpoints(store, project, total_limit, model_only=model_only)

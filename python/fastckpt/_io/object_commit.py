@@ -5,10 +5,13 @@ Layout of ``s3://bucket/P`` (every object of a save under its prefix)::
     P/manifests/0000000003.json          the commit: written last, by a conditional create (If-None-Match: *)
     P/save-0000000003-1a2b3c4d/...       the files of that save (model.safetensors, optimizer/..., ...)
 
-A save writes the checkpoint folder locally first (the same writer, files and manifest as a local save, in a
-private temporary folder), uploads every file under a new save-id prefix (parallel multipart uploads, crc32c summed
-as the bytes go out and compared with what the writer recorded), then creates ``manifests/{n}.json`` with ``n`` one
-above the newest committed manifest. Two savers that race for ``n`` cannot both win: the loser gets
+A save uploads every file under a new save-id prefix, then creates ``manifests/{n}.json`` with ``n`` one above the
+newest committed manifest. The safetensors files go straight from the tensors' memory (:func:`save_plan_objects`:
+the Rust store serializes each part of a multipart upload into its request body once it may be sent, so at most
+``concurrency`` parts of ``part_size`` bytes are in memory; crc32c and the content hashes are summed as the bytes
+go out); the small files are single puts. A plan whose tensors are not all in CPU memory, and the other callers
+that hand a local folder (:func:`save_object_checkpoint`, tiered saves), upload files (parallel multipart uploads
+from the mapped files, crc32c summed as the bytes go out and compared with what the writer recorded). Two savers that race for ``n`` cannot both win: the loser gets
 :class:`~fastckpt.errors.ConcurrentSaveError` and its objects are removed. Only after the commit are the older
 manifests deleted (manifest first, then their objects) with leftovers of saves that died (their multipart uploads
 aborted through the ``.fastckpt-upload`` markers), so nothing committed is lost by a failed save.
@@ -32,12 +35,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.layout import MANIFEST
+from fastckpt import _core
+from fastckpt._format.tensors import tensor_sources
+from fastckpt._io.files import SavePlan
+from fastckpt._io.integrity import digest_entry, text_entry
+from fastckpt._io.layout import MANIFEST, manifest_dict
 from fastckpt._io.object_store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
 
-__all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "upload_folder", "new_save", "upload_objects", "commit_save",
-           "fetched_checkpoint", "committed_manifest", "delete_checkpoint"]
+__all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "save_plan_objects", "upload_folder", "new_save",
+           "upload_objects", "upload_tensor_objects", "upload_texts", "commit_save", "fetched_checkpoint",
+           "committed_manifest", "delete_checkpoint"]
 
 MANIFESTS = "manifests"
 FORMAT = "fastckpt-object/1"
@@ -156,6 +164,69 @@ def upload_objects(store: Any, url: ObjectUrl, save_id: str, folder: Path, names
     if local_manifest is not None:
         _check_against_writer(store, keys, names, objects, local_manifest)
     return objects
+
+
+def upload_tensor_objects(store: Any, url: ObjectUrl, save_id: str, jobs: list[tuple[str, list[Any], Any]], *,
+                          threads: int = 0) -> list[tuple]:
+    """Upload each ``(name, tensor sources, metadata)`` as the safetensors object ``{url}/{save_id}/name``, straight
+    from the tensors' memory (``_core.ObjectStore.upload_tensors``). The tensors must not change until it returns.
+
+    Returns:
+        Each object's digest, as ``_core.write_files_checked`` returns it for a file: ``(bytes, crc32c,
+        [(tensor, crc32c)], [(tensor, xxh3-128 hex)])`` (see :func:`fastckpt._io.integrity.digest_entry`).
+
+    Raises:
+        ValueError / DtypeError: a source the writer refuses (names the object and the tensor); nothing is sent.
+        OSError: the store failed after the bounded retries (names the object); this save's objects are removed.
+    """
+    keys = [f"{url.prefix}/{save_id}/{name}" for name, _sources, _meta in jobs]
+    try:
+        digests = store.upload_tensors([(key, sources, meta) for key, (_n, sources, meta) in zip(keys, jobs)],
+                                       threads=threads)
+    except BaseException:
+        _remove_quietly(store, url, save_id)
+        raise
+    return digests
+
+
+def upload_texts(store: Any, url: ObjectUrl, save_id: str, texts: dict[str, bytes]) -> dict[str, Any]:
+    """Put each small file ``{name: data}`` at ``{url}/{save_id}/name``; ``{name: {bytes, crc32c}}``.
+
+    Raises:
+        OSError: the store failed after the bounded retries (names the object); this save's objects are removed.
+    """
+    try:
+        for name, data in texts.items():
+            store.put(f"{url.prefix}/{save_id}/{name}", data)
+    except BaseException:
+        _remove_quietly(store, url, save_id)
+        raise
+    return {name: {"bytes": len(data), "crc32c": _crc_hex(_core.crc32c(data))} for name, data in texts.items()}
+
+
+def save_plan_objects(store: Any, url: ObjectUrl, plan: SavePlan, *, threads: int = 0) -> None:
+    """Save ``plan`` (its tensors all in CPU memory) to ``url`` without a local copy: every safetensors file
+    uploaded straight from the tensors (:func:`upload_tensor_objects`), the small files put, then the manifest
+    object created last, holding the same manifest a local save of the plan writes.
+
+    Raises:
+        ConcurrentSaveError, OSError: see :func:`save_object_checkpoint`; nothing is committed and the previous
+            checkpoint at ``url`` is untouched. ValueError / DtypeError: a tensor the writer refuses (named).
+    """
+    if plan.links:  # pragma: no cover - share_unchanged is refused for s3:// before a plan is built
+        raise ValueError("a plan with hard links (share_unchanged) cannot be saved to object storage")
+    number, save_id = new_save(store, url)
+    jobs = [(p.name, tensor_sources(p.tensors, p.dtype), p.metadata) for p in plan.parts]
+    digests = upload_tensor_objects(store, url, save_id, jobs, threads=threads)
+    objects = {p.name: {"bytes": d[0], "crc32c": _crc_hex(d[1])} for p, d in zip(plan.parts, digests)}
+    entries = {p.name: {"bytes": d[0], **digest_entry(d)} for p, d in zip(plan.parts, digests)}
+    texts = {name: text if isinstance(text, bytes) else text.encode("utf-8") for name, text in plan.texts.items()}
+    objects.update(upload_texts(store, url, save_id, texts))
+    entries.update({name: {"bytes": len(data), **text_entry(data)} for name, data in texts.items()})
+    files = {name: entry["bytes"] for name, entry in entries.items()}
+    checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in entries.items()}
+    manifest = manifest_dict(plan.mode, files, dict(plan.counts), plan.step, checksums=checksums)
+    commit_save(store, url, number, save_id, objects, manifest)
 
 
 def save_object_checkpoint(store: Any, url: ObjectUrl, write: Callable[[Path], None]) -> None:

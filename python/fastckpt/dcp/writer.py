@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import uuid
 import weakref
 from pathlib import Path
@@ -27,7 +25,7 @@ from fastckpt._io.commit import check_target, fsync_dir, write_text
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
 from fastckpt._io.location import check_location
-from fastckpt._io.object_commit import commit_save, new_save, upload_objects
+from fastckpt._io.object_commit import commit_save, new_save, upload_tensor_objects, upload_texts
 from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt._io.staging import OwnedPath, clean_leftovers
 from fastckpt.dcp.gc_pause import gc_paused
@@ -38,6 +36,29 @@ __all__ = ["StorageWriter", "shard_file_name"]
 def shard_file_name(rank: int, world_size: int) -> str:
     """``shard-00000-of-00002.safetensors``: the chunks rank ``rank`` writes (ranks count from 0)."""
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def object_groups(sizes: dict[str, int], part_size: int, concurrency: int) -> list[list[str]]:
+    """The tensors ``{name: bytes}`` of one rank's s3 save split into objects, in order: each closes before the
+    tensor that would take it past ``max(part_size, total / concurrency)`` bytes (a larger tensor is an object of
+    its own). A rank's data below ``concurrency`` parts so goes as parallel single PUTs of about one part each
+    (no multipart upload to assemble); more data gives at most about ``2 * concurrency`` multipart objects."""
+    limit = max(part_size, -(-sum(sizes.values()) // concurrency))
+    groups: list[list[str]] = [[]]
+    held = 0
+    for name, n in sizes.items():
+        if groups[-1] and held + n > limit:
+            groups.append([])
+            held = 0
+        groups[-1].append(name)
+        held += n
+    return groups
+
+
+def _object_file(file: str, k: int) -> str:
+    """``shard-00000-of-00002.safetensors`` -> ``shard-00000-of-00002.00001.safetensors``: the rank's ``k``-th
+    further object of an s3 save."""
+    return f"{file.removesuffix('.safetensors')}.{k:05d}.safetensors"
 
 
 def _chunk_name(fqn: str, offsets: Any, sizes: Any, full: Any) -> str:
@@ -171,11 +192,10 @@ class StorageWriter(_DCPStorageWriter):
         """Every rank: encode the non-tensor values, then write this rank's chunks in one parallel pass."""
         info = plan.storage_data
         file = info["file"]
-        # s3: a private local folder, uploaded then removed; commit=False: this writer's own path on every rank (a
-        # cached plan's folder is the last save's); commit=True: the staging folder the coordinator made, in the plan
-        if info["folder"] is None:
-            folder = Path(tempfile.mkdtemp(prefix="fastckpt-s3-"))
-        else:
+        # s3: no folder (uploaded from memory); commit=False: this writer's own path on every rank (a cached plan's
+        # folder is the last save's); commit=True: the staging folder the coordinator made, in the plan
+        folder = None
+        if info["folder"] is not None:
             folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
@@ -213,20 +233,25 @@ class StorageWriter(_DCPStorageWriter):
                     names[key] = name
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": file, "name": name}))
-        digest = None
-        try:
-            if tensors:
-                sources = tensor_sources(tensors)
-                digest = _core.write_files_checked([(str(folder / file), sources, [("format", "pt")])],
-                                                   durable=self.durable and self.url is None, threads=self.threads)[0]
-                if self.url is not None:  # upload, crc32c checked against the writer's
-                    upload_objects(open_store(self.url.bucket, self.storage_options), self.url, info["save_id"],
-                                   folder, [file], {"files": {file: {"bytes": digest[0], **digest_entry(digest)}}})
-        finally:
-            if info["folder"] is None:
-                shutil.rmtree(folder, ignore_errors=True)
-        entry = None if digest is None else (file, digest)
-        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digest": entry}) for r in results]
+        digests: list[tuple[str, tuple]] = []
+        if tensors and folder is None:  # s3: straight from the tensors' memory, crc32c summed as the parts go out
+            assert self.url is not None
+            store = open_store(self.url.bucket, self.storage_options)
+            groups = object_groups({n: t.numel() * t.element_size() for n, t in tensors.items()}, *store.transfer)
+            files = [file if k == 0 else _object_file(file, k) for k in range(len(groups))]
+            where = {name: f for f, group in zip(files, groups) for name in group}
+            results = [dataclasses.replace(r, storage_data={**r.storage_data, "file": where[r.storage_data["name"]]})
+                       if "name" in r.storage_data else r for r in results]
+            jobs = [(f, tensor_sources({n: tensors[n] for n in group}), [("format", "pt")])
+                    for f, group in zip(files, groups)]
+            found = upload_tensor_objects(store, self.url, info["save_id"], jobs, threads=self.threads)
+            digests = list(zip(files, found))
+        elif tensors:
+            assert folder is not None
+            digests = [(file, _core.write_files_checked([(str(folder / file), tensor_sources(tensors),
+                                                          [("format", "pt")])],
+                                                        durable=self.durable, threads=self.threads)[0])]
+        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digests": digests}) for r in results]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -244,8 +269,7 @@ class StorageWriter(_DCPStorageWriter):
         for rank_results in results:
             for r in rank_results:
                 data = r.storage_data
-                if data.get("digest") is not None:
-                    name, digest = data["digest"]
+                for name, digest in data.get("digests", ()):
                     files[name] = {"bytes": digest[0], **digest_entry(digest)}
                 if "object" in data:
                     objects[r.index.fqn] = data["object"]
@@ -282,9 +306,7 @@ class StorageWriter(_DCPStorageWriter):
         assert self.url is not None and self._remote is not None
         store = open_store(self.url.bucket, self.storage_options)
         number, save_id = self._remote
-        with tempfile.TemporaryDirectory(prefix="fastckpt-s3-") as tmp:
-            (Path(tmp) / METADATA_FILE).write_bytes(text)
-            upload_objects(store, self.url, save_id, Path(tmp), [METADATA_FILE], {"files": files})
+        upload_texts(store, self.url, save_id, {METADATA_FILE: text})
         sizes = {name: entry["bytes"] for name, entry in files.items()}
         checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
         manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)

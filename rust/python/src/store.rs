@@ -5,12 +5,14 @@
 
 use std::path::PathBuf;
 
+use fastckpt_core::{FileLayout, TensorSource};
 use fastckpt_store::{Store, StoreError};
 use pyo3::exceptions::{PyFileExistsError, PyFileNotFoundError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::integrity_error;
+use crate::write::{extract_sources, FileDigest, HeldSource};
 
 fn to_py(err: StoreError) -> PyErr {
     let message = err.to_string();
@@ -22,6 +24,14 @@ fn to_py(err: StoreError) -> PyErr {
         StoreError::Io { .. } | StoreError::Store { .. } => PyOSError::new_err(message),
     }
 }
+
+/// One object of `upload_tensors`, converted: `(key, url, sources, metadata)`.
+type HeldJob = (
+    String,
+    String,
+    Vec<HeldSource>,
+    Option<Vec<(String, String)>>,
+);
 
 /// One bucket; see `fastckpt/_core.pyi`.
 #[pyclass(frozen, module = "fastckpt._core")]
@@ -99,5 +109,61 @@ impl ObjectStore {
     ) -> PyResult<Vec<u32>> {
         py.detach(|| self.store.download_files(&jobs))
             .map_err(to_py)
+    }
+
+    /// `[(size, crc32c, [(tensor, crc32c)], [(tensor, xxh3-128 hex)])]` of each `(key, tensors, metadata)`
+    /// uploaded straight from the tensors' memory (the safetensors file `write_files_checked` would write).
+    #[pyo3(signature = (jobs, *, threads = 0))]
+    fn upload_tensors(
+        &self,
+        py: Python<'_>,
+        jobs: &Bound<'_, PyAny>,
+        threads: usize,
+    ) -> PyResult<Vec<FileDigest>> {
+        type Job<'py> = (String, Bound<'py, PyAny>, Option<Vec<(String, String)>>);
+        let mut held: Vec<HeldJob> = Vec::new();
+        for job in jobs.try_iter()? {
+            let (key, tensors, metadata): Job<'_> = job?.extract()?;
+            let url = self.store.url(&key);
+            let sources = extract_sources(&tensors, &url)?;
+            held.push((key, url, sources, metadata));
+        }
+        py.detach(|| {
+            let sources: Vec<Vec<TensorSource<'_>>> = held
+                .iter()
+                .map(|(_, _, s, _)| s.iter().map(HeldSource::source).collect())
+                .collect();
+            let mut layouts = Vec::with_capacity(held.len());
+            let mut hashes = Vec::with_capacity(held.len());
+            for ((_, url, _, metadata), sources) in held.iter().zip(&sources) {
+                layouts.push(
+                    FileLayout::plan(sources, metadata.as_deref(), url)
+                        .map_err(crate::errors::to_py)?,
+                );
+                let names = sources.iter().map(|s| s.name.clone());
+                let found = fastckpt_core::content_hash::hash_sources(sources, threads)
+                    .map_err(crate::errors::to_py)?;
+                let mut pairs: Vec<(String, u128)> = names.zip(found).collect();
+                pairs.sort();
+                hashes.push(pairs);
+            }
+            let jobs: Vec<(String, &FileLayout<'_>)> = held
+                .iter()
+                .zip(&layouts)
+                .map(|((key, ..), layout)| (key.clone(), layout))
+                .collect();
+            let sums = self.store.upload_layouts(&jobs).map_err(to_py)?;
+            Ok(sums
+                .into_iter()
+                .zip(hashes)
+                .map(|(c, pairs)| {
+                    let hex = pairs
+                        .into_iter()
+                        .map(|(name, h)| (name, format!("{h:032x}")))
+                        .collect();
+                    (c.file_size, c.file_crc32c, c.tensors, hex)
+                })
+                .collect())
+        })
     }
 }

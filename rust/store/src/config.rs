@@ -9,7 +9,8 @@ use object_store::{BackoffConfig, RetryConfig};
 use crate::error::{Result, StoreError};
 
 /// How bytes move: part size and how many requests are in flight at once (memory is bounded by about
-/// `concurrency * part_size` of request bodies, taken straight from mapped files, never copied).
+/// `concurrency * part_size` of request bodies: taken from mapped files without a copy, or serialized from tensor
+/// memory into one buffer per request in flight).
 #[derive(Debug, Clone, Copy)]
 pub struct Transfer {
     /// Bytes per multipart part and per ranged read (S3 requires >= 5 MiB for all parts but the last).

@@ -3,8 +3,9 @@
 //! `fastckpt-python`. Every call blocks the calling thread until done (the bindings release the GIL around it).
 //!
 //! - [`config`]: the S3 client from the standard `AWS_*` environment plus `storage_options`, bounded retries.
-//! - [`transfer`]: parallel multipart uploads from mapped files and ranged parallel reads into preallocated
-//!   files, summing crc32c as the bytes go out and come in (the core's checksum fold).
+//! - [`transfer`]: parallel multipart uploads from mapped files or straight from tensor memory (a planned
+//!   safetensors layout, each part serialized into its request body as it goes out), and ranged parallel reads
+//!   into preallocated files, summing crc32c as the bytes go out and come in (the core's checksum fold).
 //! - [`Store`]: small objects (manifests) with a conditional create, listing, deletes, aborting uploads.
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
