@@ -44,6 +44,7 @@ lint:  ## rustfmt, clippy, ruff, stubtest of _core.pyi
 	$(PY) -m mypy.stubtest fastckpt._core  # _core.pyi matches the built module
 
 bench: install-test  ## benchmark suite: every contender alternated, prints the table, writes benches/RESULTS.md
+	$(PIP) install -q $(CONSTRAINTS) ".[bench]"
 	$(PY) benches/run.py
 
 build-tools: $(PY)  ## install maturin, zig (the ziglang package) and auditwheel into $(VENV)
