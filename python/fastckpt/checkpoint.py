@@ -73,6 +73,9 @@ _KIND_CHECKS = {
 }
 
 
+_DATA_PARALLEL = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+
+
 def _as_list(obj: Any, kind: str) -> list:
     """``obj`` as a list of ``kind`` objects (one, a list or tuple, or None for none).
 
@@ -88,6 +91,8 @@ def _as_list(obj: Any, kind: str) -> list:
         if not check(item):
             hint = " (pass folders as output_dir= / input_dir=)" if isinstance(item, (str, os.PathLike)) else ""
             raise TypeError(f"{kind}[{i}] is a {type(item).__name__}, expected {what}{hint}")
+    if kind == "model":  # DDP / DataParallel: the wrapped module, as accelerate's unwrap_model (no ``module.`` keys)
+        items = [m.module if isinstance(m, _DATA_PARALLEL) else m for m in items]
     return items
 
 

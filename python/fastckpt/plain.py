@@ -93,7 +93,7 @@ def save(
             raise TypeError(f"optimizers[{i}] is a {type(opt).__name__}, expected a torch.optim.Optimizer")
     check_location(path, "path")
     finish_pending(wait=async_save != "snapshot")
-    target = check_target(path)
+    target = check_target(path, "path")
     plan = build_dict_plan(obj, trust_pickle=trust_pickle)
     write = functools.partial(write_checkpoint, durable=durable, threads=threads)
     if async_save:  # the modes of save_state (fastckpt._io.async_modes); without optimizers a snapshot

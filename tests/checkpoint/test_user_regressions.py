@@ -144,3 +144,58 @@ def test_quantized_and_bad_metadata_key_messages(tmp_path):
         save_file({"q": q}, tmp_path / "q.safetensors")
     with pytest.raises(TypeError, match="metadata keys must be str: got int 1"):
         save_file({"a": torch.ones(1)}, tmp_path / "m.safetensors", metadata={1: "v"})
+
+
+def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_data_parallel_wrapper_is_saved_under_the_plain_names_and_loads_either_way(tmp_path):
+    # DDP / DataParallel prefix every key with ``module.``: saved as accelerate's unwrap_model does, so a resume
+    # on one process (no wrapper) and from_pretrained read the same folder (a new user's 2-process DDP run)
+    from safetensors.torch import load_file
+
+    model = _net(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    wrapped = torch.nn.DataParallel(model)  # what DDP does to the names, on a CPU-only machine
+    folder = fastckpt.save_state(wrapped, opt, output_dir=tmp_path / "ckpt")
+    assert sorted(load_file(folder / "model.safetensors")) == sorted(model.state_dict())
+    plain, plain_opt = _net(2), None
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    assert fastckpt.load_state(plain, plain_opt, input_dir=folder) == ([], [])
+    assert _state_equal(plain, model)
+    for (_, a), (_, b) in zip(sorted(opt.state_dict()["state"].items()), sorted(plain_opt.state_dict()["state"].items())):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    again = torch.nn.DataParallel(_net(3))
+    assert fastckpt.load_state(again, input_dir=folder, model_only=True) == ([], [])
+    assert _state_equal(again.module, model)
+
+
+def test_a_model_file_saved_with_the_module_prefix_loads_into_the_bare_model(tmp_path):
+    # a checkpoint an earlier version saved from the wrapper: every model key ``module.*``
+    from safetensors.torch import load_file
+
+    model = _net(4)
+    holder = torch.nn.Module()
+    holder.add_module("module", model)  # the names a wrapper's state_dict has, without being one
+    folder = fastckpt.save_state(holder, model_only=True, output_dir=tmp_path / "prefixed")
+    assert sorted(load_file(folder / "model.safetensors")) == sorted(f"module.{k}" for k in model.state_dict())
+    fresh = _net(5)
+    assert fastckpt.load_state(fresh, input_dir=folder, model_only=True) == ([], [])
+    assert _state_equal(fresh, model)
+
+
+def test_a_path_under_a_file_is_refused_naming_the_file(tmp_path):
+    precious = tmp_path / "afile"
+    precious.write_text("precious")
+    with pytest.raises(NotADirectoryError, match="lies under a file") as info:
+        fastckpt.save_state(_net(), output_dir=precious / "sub", model_only=True)
+    assert info.value.filename == str(precious)
+    with pytest.raises(NotADirectoryError, match="^.*path .* lies under a file"):
+        fastckpt.save({"w": torch.ones(2)}, precious / "sub" / "deeper")
+    with pytest.raises(NotADirectoryError, match="path exists and is not a folder"):  # fastckpt.save's argument
+        fastckpt.save({"w": torch.ones(2)}, precious)
+    assert precious.read_text() == "precious"

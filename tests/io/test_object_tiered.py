@@ -194,3 +194,9 @@ def test_a_plain_save_never_rotates_away_the_folder_a_tiered_save_is_uploading(p
     assert loaded_fingerprint(handle.remote, 1) == expected_fingerprint(1, 1)
     fastckpt.save_state(*build_state(4, 1), project_dir=tmp_path, total_limit=1)  # the upload ended: rotated now
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_3"]
+
+
+def test_the_handle_says_where_it_uploads_and_how_far_it_got(s3_url, tmp_path):
+    handle = fastckpt.save_state(*build_state(6, 1), output_dir=tmp_path / "ckpt", remote=s3_url)
+    handle.wait(120)
+    assert repr(handle) == f"TieredSave({str((tmp_path / 'ckpt').absolute())!r} -> {s3_url!r}, committed)"

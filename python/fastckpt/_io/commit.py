@@ -167,31 +167,34 @@ def _carry_foreign_entries(target: Path, staging: Path, names: list[str]) -> Non
             continue
 
 
-def check_target(output_dir: str | os.PathLike[str]) -> Path:
+def check_target(output_dir: str | os.PathLike[str], what: str = "output_dir") -> Path:
     """The absolute folder a save will replace, refused before anything is written when replacing it would lose
-    data: an existing file (not a folder), a folder holding the current working directory (``"."``, ``".."``,
-    ``os.getcwd()``), the file system root, or an empty path. A symlink to a folder is followed, so the link
-    keeps pointing at the new checkpoint.
+    data: an existing file (not a folder), a path under a file, a folder holding the current working directory
+    (``"."``, ``".."``, ``os.getcwd()``), the file system root, or an empty path. A symlink to a folder is
+    followed, so the link keeps pointing at the new checkpoint. ``what``: the argument's name, for messages.
 
     Raises:
         ValueError: an empty path, the root, or a folder that contains the current working directory.
-        NotADirectoryError: the path exists and is not a folder (nothing is touched).
+        NotADirectoryError: the path, or a folder above it, exists and is not a folder (nothing is touched).
     """
     if os.fspath(output_dir) == "":
-        raise ValueError("output_dir is an empty path; name the checkpoint folder")
+        raise ValueError(f"{what} is an empty path; name the checkpoint folder")
     target = Path(os.path.abspath(output_dir))
     if target.is_symlink():
         target = Path(os.path.realpath(target))
     if target.parent == target:
-        raise ValueError(f"output_dir {target} is the file system root; name a checkpoint folder inside it")
+        raise ValueError(f"{what} {target} is the file system root; name a checkpoint folder inside it")
     if target.exists() and not target.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "output_dir exists and is not a folder; a checkpoint is a folder",
+        raise NotADirectoryError(errno.ENOTDIR, f"{what} exists and is not a folder; a checkpoint is a folder",
                                  str(target))
+    above = next((p for p in target.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{what} {target} lies under a file, not a folder", str(above))
     cwd = Path(os.path.realpath(os.getcwd()))
     real = Path(os.path.realpath(target))
     if real == cwd or real in cwd.parents:
         raise ValueError(
-            f"output_dir {target} contains the current working directory {cwd}; a save replaces the whole folder, "
+            f"{what} {target} contains the current working directory {cwd}; a save replaces the whole folder, "
             "so save into a subfolder (e.g. output_dir='checkpoints/step_100')"
         )
     return target

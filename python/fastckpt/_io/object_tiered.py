@@ -85,6 +85,10 @@ class TieredSave:
             raise self._error
         return self.remote
 
+    def __repr__(self) -> str:
+        state = "uploading" if not self.done() else ("failed" if self._error is not None else "committed")
+        return f"TieredSave({str(self.local)!r} -> {self.remote!r}, {state})"
+
     def exception(self) -> BaseException | None:
         """The error of the local save or the upload once failed; None while running or after success."""
         return self._error if self._finished.is_set() else None

@@ -28,7 +28,7 @@ from fastckpt._io.layout import part_name
 from fastckpt._io.shards import has_state_file, open_state_files
 from fastckpt._plan.accelerate_format import model_file, rng_file, rng_state_from_accelerate, torch_load
 from fastckpt._plan.apply import LoadPlan
-from fastckpt._state.model import plan_module_load
+from fastckpt._state.model import matching_module, plan_module_load
 from fastckpt._state.state_check import check_state_like
 from fastckpt.errors import HeaderError, KeyMismatchError, MissingStateError, ShapeMismatchError
 
@@ -103,21 +103,6 @@ def open_model_files(folder: Path, i: int, *, trust_pickle: bool = False) -> lis
     return [TensorDictFile(state, str(legacy))]
 
 
-def _matching_module(module: torch.nn.Module, files: list[Any]) -> torch.nn.Module:
-    """``module``, or a view of it whose keys carry / lose the ``module.`` prefix the files were saved with."""
-    saved = [e[0] for f in files for e in f.tensors()]
-    live = list(module.state_dict().keys())
-    saved_prefixed = bool(saved) and all(n.startswith("module.") for n in saved)
-    live_prefixed = bool(live) and all(n.startswith("module.") for n in live)
-    if saved_prefixed and not live_prefixed:
-        holder = torch.nn.Module()
-        holder.add_module("module", module)  # same tensors, names with the DDP prefix
-        return holder
-    if live_prefixed and not saved_prefixed and isinstance(getattr(module, "module", None), torch.nn.Module):
-        return module.module
-    return module
-
-
 def positional_optimizer_state(optimizer: Any, state: Any, *, path: Path, map_location: Any = None) -> dict:
     """Check a positional ``optimizer.state_dict()`` (accelerate's ``optimizer.bin``) against the live optimizer.
 
@@ -185,7 +170,7 @@ def plan_accelerate_load(folder: Path, models: list, optimizers: list, scheduler
     load = LoadPlan()
     for i, m in enumerate(models):
         files = open_model_files(folder, i, trust_pickle=trust_pickle)
-        plan = plan_module_load(_matching_module(m, files), files, strict=strict, cast=cast)
+        plan = plan_module_load(matching_module(m, files), files, strict=strict, cast=cast)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]

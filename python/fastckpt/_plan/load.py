@@ -24,7 +24,7 @@ from fastckpt._io.layout import (
 )
 from fastckpt._io.shards import open_state_file, open_state_files
 from fastckpt._plan.apply import LoadPlan
-from fastckpt._state.model import plan_module_load
+from fastckpt._state.model import matching_module, plan_module_load
 from fastckpt._state.optimizer import optimizer_class_name, param_fqns, read_optimizer_state
 from fastckpt._state.peft_adapter import ADAPTER_FILE, is_peft_model, key_map
 from fastckpt._state.rng import read_rng_state
@@ -132,7 +132,8 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
             files, rename = [_open_part(folder, ADAPTER_FILE, "a PEFT adapter load")], key_map(m) if is_peft_model(m) else {}
         else:
             files, rename = open_state_files(folder, part_name("model", i, ""), f"model {i}"), None
-        plan = plan_module_load(m, files, strict=strict, rename=rename, exempt=exempt, cast=cast)
+        plan = plan_module_load(matching_module(m, files) if rename is None else m, files, strict=strict,
+                                rename=rename, exempt=exempt, cast=cast)
         prefix = f"model_{i}." if len(models) > 1 else ""
         load.missing_keys += [prefix + k for k in plan.missing_keys]
         load.unexpected_keys += [prefix + k for k in plan.unexpected_keys]

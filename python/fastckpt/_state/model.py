@@ -12,7 +12,7 @@ plan is valid, so a failed load leaves the module untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, NamedTuple
+from typing import Any, Collection, Mapping, NamedTuple
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "collect_model_state",
     "ModelLoadPlan",
     "plan_module_load",
+    "matching_module",
     "apply_module_load",
     "load_into_module",
 ]
@@ -268,3 +269,20 @@ def load_into_module(module: torch.nn.Module, path: str, *, strict: bool = True)
     plan = plan_module_load(module, [_core.SafetensorsFile(path)], strict=strict)
     apply_module_load(plan)
     return plan.missing_keys, plan.unexpected_keys
+
+
+def matching_module(module: torch.nn.Module, files: list[Any]) -> torch.nn.Module:
+    """``module``, or a view of it whose keys carry / lose the ``module.`` prefix the files were saved with: a
+    state dict saved from a ``DistributedDataParallel`` / ``DataParallel`` wrapper (every key ``module.*``: stock
+    accelerate's ``.bin`` files, fastckpt checkpoints saved from the wrapper by earlier versions) loads into the bare model, and the reverse."""
+    saved = [e[0] for f in files for e in f.tensors()]
+    live = list(module.state_dict().keys())
+    saved_prefixed = bool(saved) and all(n.startswith("module.") for n in saved)
+    live_prefixed = bool(live) and all(n.startswith("module.") for n in live)
+    if saved_prefixed and not live_prefixed:
+        holder = torch.nn.Module()
+        holder.add_module("module", module)  # same tensors, names with the DDP prefix
+        return holder
+    if live_prefixed and not saved_prefixed and isinstance(getattr(module, "module", None), torch.nn.Module):
+        return module.module
+    return module

@@ -35,7 +35,7 @@ pub enum StoreError {
         source: std::io::Error,
     },
     /// The store refused or failed a request after the bounded retries.
-    #[error("{url}: {source}")]
+    #[error("{}: {}{}", .url, .source, credentials_hint(.source))]
     Store {
         /// The object's URL.
         url: String,
@@ -44,5 +44,50 @@ pub enum StoreError {
     },
 }
 
+/// The instance-metadata endpoint object_store asks for credentials when the environment names none.
+const INSTANCE_METADATA: &str = "169.254.169.254";
+
+/// A line for errors of the credential lookup: without `AWS_ACCESS_KEY_ID` (or `storage_options`), object_store
+/// falls back to the cloud instance's metadata endpoint, whose failure means nothing to most users.
+fn credentials_hint(source: &object_store::Error) -> &'static str {
+    if source.to_string().contains(INSTANCE_METADATA) {
+        " (no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or pass them in \
+         storage_options; the instance metadata endpoint 169.254.169.254 was tried last)"
+    } else {
+        ""
+    }
+}
+
 /// A result with [`StoreError`].
 pub type Result<T> = std::result::Result<T, StoreError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_credential_lookup_says_how_to_pass_credentials() {
+        let lookup = object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing PUT http://169.254.169.254/latest/api/token".into(),
+        };
+        let e = StoreError::Store {
+            url: "s3://b/k".into(),
+            source: lookup,
+        };
+        let text = e.to_string();
+        assert!(text.starts_with("s3://b/k: "), "{text}");
+        assert!(
+            text.contains("no credentials found: set AWS_ACCESS_KEY_ID"),
+            "{text}"
+        );
+        let other = StoreError::Store {
+            url: "s3://b/k".into(),
+            source: object_store::Error::Generic {
+                store: "S3",
+                source: "503 Slow Down".into(),
+            },
+        };
+        assert!(!other.to_string().contains("credentials"));
+    }
+}
