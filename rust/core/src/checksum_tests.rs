@@ -208,7 +208,18 @@ fn noise(seed: u64, n: usize) -> Vec<u8> {
 fn crc32c_equals_the_crc32c_crate_at_every_length_offset_and_split() {
     let data = noise(7, (1 << 20) + 4099);
     let mut lengths: Vec<usize> = (0..300).collect();
-    lengths.extend([511, 512, 513, 4095, 4096, 4097, 65_536, 65_537, 1 << 20, (1 << 20) + 4099]);
+    lengths.extend([
+        511,
+        512,
+        513,
+        4095,
+        4096,
+        4097,
+        65_536,
+        65_537,
+        1 << 20,
+        (1 << 20) + 4099,
+    ]);
     let mut x = 12_345u64;
     for &len in &lengths {
         // several start offsets (alignments) of the same length
@@ -220,9 +231,17 @@ fn crc32c_equals_the_crc32c_crate_at_every_length_offset_and_split() {
             let want = crc32c::crc32c(bytes);
             assert_eq!(crc32c(bytes), want, "len {len} at {start}");
             x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            let cut = if len == 0 { 0 } else { (x >> 33) as usize % (len + 1) };
+            let cut = if len == 0 {
+                0
+            } else {
+                (x >> 33) as usize % (len + 1)
+            };
             let (a, b) = bytes.split_at(cut);
-            assert_eq!(crc32c_append(crc32c(a), b), want, "append at {cut} of {len}");
+            assert_eq!(
+                crc32c_append(crc32c(a), b),
+                want,
+                "append at {cut} of {len}"
+            );
             assert_eq!(
                 crc32c_combine(crc32c(a), crc32c(b), b.len() as u64),
                 want,
@@ -240,7 +259,9 @@ fn crc32c_equals_the_crc32c_crate_at_every_length_offset_and_split() {
 fn combine_equals_the_crc32c_crate_for_any_length() {
     let mut x = 99u64;
     for _ in 0..2_000 {
-        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
         let (a, b) = ((x >> 32) as u32, x as u32);
         // lengths of every magnitude, up to 2^40 bytes (the crate takes usize)
         let len = (x >> 11) & ((1u64 << ((x >> 3) % 41)) - 1);
