@@ -7,8 +7,9 @@ The three checkpoints of one training state:
 3. accelerate's ``Accelerator.save_state`` (on CPU, model/optimizer/scheduler prepared), the baseline.
 
 Durable against durable: fastckpt saves with ``durable=True`` (every file and folder fsynced); accelerate's time
-includes an fsync of every file it wrote and of its folder. Before each load the checkpoint's pages are dropped
-from the page cache (``posix_fadvise(DONTNEED)``; the files are clean after the fsync), so loads read from disk.
+includes an fsync of every file it wrote and of its folder. Before each load the checkpoint's files are read once
+and their pages dropped from the page cache (``posix_fadvise(DONTNEED)``; the files are clean after the fsync), so
+loads read from disk and both contenders start from the same memory state (:func:`same_start`).
 
 Each checkpoint is loaded into objects built from scratch (a model initialised with another seed, a new AdamW, a
 new scheduler) and compared bit for bit with the trained ones: every weight (``torch.equal``) and the tie between
@@ -44,10 +45,11 @@ import numpy as np
 import torch
 
 from fastckpt.demo.compare import draw_random, verify
-from fastckpt.demo.files import dir_bytes, drop_page_cache, fsync_tree
+from fastckpt.demo.files import dir_bytes, drop_page_cache, fsync_tree, same_start
 from fastckpt.demo.gpt2 import GPT, PRESETS, num_parameters
 
-__all__ = ["DemoResult", "DemoRow", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree", "run_demo"]
+__all__ = ["DemoResult", "DemoRow", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree", "run_demo",
+           "same_start"]
 
 HELP = "train GPT-2 a few steps, checkpoint with fastckpt and accelerate, reload, verify, compare speed"
 
@@ -263,7 +265,8 @@ def run_demo(
         threads: fastckpt I/O threads (0: fastckpt's default).
         batch_size, seq_len: sequences per step and tokens per sequence (seq_len <= the preset's block_size).
         seed: seed of the model, the data order and the RNGs; the fresh objects use ``seed + 1``.
-        cold_cache: drop the checkpoint's pages from the page cache before each load (Linux).
+        cold_cache: drop the checkpoint's pages from the page cache before each load (Linux), after reading the
+            files once (:func:`fastckpt.demo.files.same_start`).
         stream: where the progress and the table go (default ``sys.stdout``).
         rounds: how many times each checkpoint is saved and loaded; the contenders alternate (round r starts
             with the r-th, so none always runs first on a warm or cold machine) and the table shows medians.
@@ -319,7 +322,7 @@ def run_demo(
                     draws = draw_random()
                     fresh = build_training(size, seed + 1)
                     if cold_cache:
-                        drop_page_cache(path)
+                        same_start(path)
                     load_s = load(fresh, path)
                     problems += verify(trained, fresh, full=name != "fastckpt model_only", draws_after_save=draws)
                     del fresh
@@ -336,7 +339,8 @@ def run_demo(
 
     result = DemoResult(rows, params, losses, time.perf_counter() - started)
     print(format_table(rows), file=out)
-    cache = "a cold page cache (posix_fadvise DONTNEED)" if cold_cache else "the page cache"
+    cache = ("a cold page cache (files read once, then posix_fadvise DONTNEED: the same start for every row)"
+             if cold_cache else "the page cache")
     print("save: durable on both sides (fastckpt durable=True; accelerate save_state + fsync of each file)", file=out)
     n_rounds = max(1, rounds)
     print(f"medians of {n_rounds} round{'s' if n_rounds != 1 else ''}: each round saves and loads every checkpoint, "

@@ -190,3 +190,86 @@ fn missing_files_folders_and_fifos_are_errors_that_never_hang() {
         "InvalidArgument"
     );
 }
+
+/// A deterministic byte stream (xorshift), so a failure is reproducible.
+fn noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+#[test]
+fn crc32c_equals_the_crc32c_crate_at_every_length_offset_and_split() {
+    let data = noise(7, (1 << 20) + 4099);
+    let mut lengths: Vec<usize> = (0..300).collect();
+    lengths.extend([
+        511,
+        512,
+        513,
+        4095,
+        4096,
+        4097,
+        65_536,
+        65_537,
+        1 << 20,
+        (1 << 20) + 4099,
+    ]);
+    let mut x = 12_345u64;
+    for &len in &lengths {
+        // several start offsets (alignments) of the same length
+        for start in [0usize, 1, 3, 7, 8, 15, 63, 64, 4095] {
+            if start + len > data.len() {
+                continue;
+            }
+            let bytes = &data[start..start + len];
+            let want = crc32c::crc32c(bytes);
+            assert_eq!(crc32c(bytes), want, "len {len} at {start}");
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let cut = if len == 0 {
+                0
+            } else {
+                (x >> 33) as usize % (len + 1)
+            };
+            let (a, b) = bytes.split_at(cut);
+            assert_eq!(
+                crc32c_append(crc32c(a), b),
+                want,
+                "append at {cut} of {len}"
+            );
+            assert_eq!(
+                crc32c_combine(crc32c(a), crc32c(b), b.len() as u64),
+                want,
+                "combine at {cut} of {len}"
+            );
+            assert_eq!(
+                crc32c_append(crc32c(a), b),
+                crc32c::crc32c_append(crc32c::crc32c(a), b)
+            );
+        }
+    }
+}
+
+#[test]
+fn combine_equals_the_crc32c_crate_for_any_length() {
+    let mut x = 99u64;
+    for _ in 0..2_000 {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let (a, b) = ((x >> 32) as u32, x as u32);
+        // lengths of every magnitude, up to 2^40 bytes (the crate takes usize)
+        let len = (x >> 11) & ((1u64 << ((x >> 3) % 41)) - 1);
+        assert_eq!(
+            crc32c_combine(a, b, len),
+            crc32c::crc32c_combine(a, b, len as usize),
+            "len {len}"
+        );
+    }
+    assert_eq!(crc32c_combine(0x1234_5678, 0, 0), 0x1234_5678);
+}

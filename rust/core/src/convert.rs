@@ -147,7 +147,7 @@ pub fn convert(from: Dtype, to: Dtype, src: &[u8], dst: &mut [u8]) {
         "convert: element counts differ"
     );
     assert!(
-        src.len() % s == 0 && dst.len() % d == 0,
+        src.len().is_multiple_of(s) && dst.len().is_multiple_of(d),
         "convert: partial elements"
     );
     if from == to {

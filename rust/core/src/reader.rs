@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::{MmapMut, MmapOptions};
 
+use crate::checksum::{crc32c_append, crc32c_combine};
 use crate::error::{Error, IoContext, Result};
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
@@ -303,7 +304,7 @@ impl SafetensorsFile {
             let mut crc = 0u32;
             for (k, part) in piece.chunks_mut(PIECE).enumerate() {
                 self.read_exact_at(&file, part, offset + (k * PIECE) as u64, what)?;
-                crc = crc32c::crc32c_append(crc, part);
+                crc = crc32c_append(crc, part);
             }
             sums[j].set(crc).expect("each job once");
             Ok(())
@@ -312,7 +313,7 @@ impl SafetensorsFile {
         if sum {
             for ((t, len), crc) in spans.into_iter().zip(sums) {
                 let crc = crc.into_inner().expect("every job ran");
-                out[t] = crc32c::crc32c_combine(out[t], crc, len);
+                out[t] = crc32c_combine(out[t], crc, len as u64);
             }
         }
         Ok(out)

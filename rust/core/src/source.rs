@@ -317,7 +317,7 @@ fn gather_row(
     let mut w = 0;
     let stop = in_row + dst.len();
     // A leading partial element.
-    if p % item != 0 {
+    if !p.is_multiple_of(item) {
         let (e, b) = (p / item, p % item);
         let n = (item - b).min(stop - p);
         let src = row_at + e * stride + b;

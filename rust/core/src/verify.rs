@@ -10,6 +10,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use crate::checksum::{crc32c_append, crc32c_combine};
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::reader::SafetensorsFile;
@@ -102,7 +103,7 @@ impl SafetensorsFile {
         let mut got = vec![0u32; want.len()];
         let mut file_crc = 0u32;
         for ((tensor, range), crc) in regions.iter().zip(&crcs) {
-            file_crc = crc32c::crc32c_combine(file_crc, *crc, (range.end - range.start) as usize);
+            file_crc = crc32c_combine(file_crc, *crc, range.end - range.start);
             if let Some(i) = tensor {
                 got[*i] = *crc;
             }
@@ -246,7 +247,7 @@ impl SafetensorsFile {
                         None => "the header".into(),
                     },
                 )?;
-                crc = crc32c::crc32c_append(crc, &buf[..n]);
+                crc = crc32c_append(crc, &buf[..n]);
                 at += n;
             }
             sums[j].set(crc).expect("each job once");
@@ -255,7 +256,7 @@ impl SafetensorsFile {
         let mut out = vec![0u32; regions.len()];
         for ((k, range), sum) in jobs.iter().zip(sums) {
             let crc = sum.into_inner().expect("every job ran");
-            out[*k] = crc32c::crc32c_combine(out[*k], crc, (range.end - range.start) as usize);
+            out[*k] = crc32c_combine(out[*k], crc, range.end - range.start);
         }
         Ok(out)
     }
