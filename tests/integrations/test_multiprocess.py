@@ -89,7 +89,7 @@ def test_one_rank_failing_stops_every_rank_before_any_change(run):
 
 def test_failed_save_raises_on_every_rank(run):
     out, (r0, r1) = run
-    assert r0["E_error"] == "FileExistsError" and r1["E_error"] == "CheckpointError"
+    assert r0["E_error"] == "NotADirectoryError" and r1["E_error"] == "CheckpointError"
     assert r0["E_group_usable"] is True and r1["E_group_usable"] is True
 
 
