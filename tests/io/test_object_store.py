@@ -130,6 +130,70 @@ def test_dcp_save_uploads_strided_and_tied_tensors_from_memory_bit_exact(s3_url,
         assert torch.equal(target[k], v), k
 
 
+def _watch_fetches(monkeypatch, tmp_path) -> list[dict[str, str]]:
+    """Point the temp folder at an empty ``tmp_path/tmp`` and record, as each fetched checkpoint is released, what
+    its folder held: ``{relative path: what it is}`` ("memfd" for a link to an in-memory file)."""
+    import os
+    import tempfile
+
+    from fastckpt._io import object_commit
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    seen: list[dict[str, str]] = []
+    close = object_commit._MemoryFolder.close
+
+    def record(space) -> None:
+        found = {}
+        for dirpath, _dirs, files in os.walk(space.root):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, space.root)
+                if os.path.islink(path):  # /proc/self/fd/N, whose own link names the memfd
+                    found[rel] = "memfd" if os.readlink(os.readlink(path)).startswith("/memfd:") else "link"
+                else:
+                    found[rel] = f"file of {os.path.getsize(path)} bytes"
+        seen.append(found)
+        close(space)
+
+    monkeypatch.setattr(object_commit._MemoryFolder, "close", record)
+    return seen
+
+
+@pytest.mark.parametrize("reader", ["load_state", "dcp", "verify"])
+def test_a_load_from_s3_writes_nothing_to_local_disk(reader, s3_url, tmp_path, monkeypatch):
+    """Every object of the checkpoint is read into its own in-memory file (memfd) by ranged reads: the folder the
+    local loader reads holds links to them only, the temp folder stays empty, and the load is bit-exact."""
+    import fastckpt.dcp
+
+    if reader == "dcp":
+        state = {"w": torch.randn(700, 1024), "b": torch.arange(7)}
+        fastckpt.dcp.save(state, s3_url, storage_options={"part_size": str(5 * MiB)})
+    else:
+        model, opt, sched = build_state(6, 12)
+        fastckpt.save_state(model, opt, sched, output_dir=s3_url, step=3,
+                            storage_options={"part_size": str(5 * MiB), "concurrency": "3"})
+    seen = _watch_fetches(monkeypatch, tmp_path)
+    if reader == "dcp":
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        fastckpt.dcp.load(target, s3_url, storage_options={"part_size": str(5 * MiB)})
+        for k, v in state.items():
+            assert torch.equal(target[k], v), k
+    elif reader == "verify":
+        assert fastckpt.verify_checkpoint(s3_url).ok
+    else:
+        live = build_state(7, 12)
+        fastckpt.load_state(*live, input_dir=s3_url, storage_options={"part_size": str(5 * MiB)})
+        assert_model_state(live[0], model_clone(model))
+    import gc
+
+    gc.collect()  # a DCP reader releases its fetch when it goes
+    assert len(seen) == 1 and seen[0]
+    assert set(seen[0].values()) == {"memfd"}, seen[0]
+    assert sorted(n.split("/", 1)[1] for n in seen[0]) == sorted([*_objects(s3_url), "fastckpt.json"])
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_sharded_multipart_round_trip(s3_url):
     """max_shard_size splits the model; 5 MiB parts make each 8 MiB shard a multipart upload (2 parts)."""
     model, opt, sched = build_state(4, 16)

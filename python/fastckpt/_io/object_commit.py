@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -314,9 +315,50 @@ def delete_checkpoint(store: Any, url: ObjectUrl) -> None:
     _delete_objects(store, [k for k, _ in store.list(url.prefix)])
 
 
+class _MemoryFolder:
+    """Where a fetched checkpoint lives: in memory, never on local disk.
+
+    Each object is one anonymous in-memory file (``memfd_create``: pages of RAM, not bounded by a tmpfs mount's
+    size), filled by the store's ranged parallel reads through ``/proc/self/fd/N``; the folder the local loader
+    reads is a private directory of symlinks to them (on ``/dev/shm`` when it is there, else in the temp folder:
+    links only, no data), so every path-based reader (mmap, the pinned folder handle) works unchanged and the
+    bytes are written once, from the responses into the memory the loader maps. Without ``memfd_create`` (not
+    Linux) the objects are plain files in a private temp folder.
+    """
+
+    def __init__(self) -> None:
+        self.memory = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+        shm = "/dev/shm"
+        scratch = shm if self.memory and os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+        self.root = Path(tempfile.mkdtemp(prefix="fastckpt-s3-", dir=scratch))
+        self.fds: list[int] = []
+
+    def target(self, folder: Path, name: str) -> str:
+        """The path to write the object ``name`` of ``folder`` into (its file, or the memfd behind its link)."""
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.memory:
+            return str(path)
+        fd = os.memfd_create(name.replace("/", "_"))
+        self.fds.append(fd)
+        os.symlink(f"/proc/self/fd/{fd}", path)
+        return f"/proc/self/fd/{fd}"
+
+    def write(self, folder: Path, name: str, data: bytes) -> None:
+        with open(self.target(folder, name), "wb") as f:
+            f.write(data)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        while self.fds:  # the memory goes when the last mapping of it does
+            os.close(self.fds.pop())
+
+
 @contextlib.contextmanager
 def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
-    """The committed checkpoint at ``url`` downloaded into a private local folder (removed afterwards).
+    """The committed checkpoint at ``url`` read into memory (:class:`_MemoryFolder`: nothing is written to local
+    disk) by ranged parallel reads, every object's crc32c summed as its bytes come in and checked against the
+    manifest before this yields; yields a folder of it for the local loader (removed afterwards, with the memory).
 
     Raises:
         MissingStateError: no committed manifest at ``url``.
@@ -325,16 +367,16 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
         CheckpointChangedError: newer saves replaced the checkpoint while it was read, 5 times in a row.
         HeaderError: a malformed manifest. OSError: the store failed after the bounded retries.
     """
-    tmp = Path(tempfile.mkdtemp(prefix="fastckpt-s3-"))
+    space = _MemoryFolder()
     try:
         for attempt in range(_RETRIES):
-            folder = tmp / f"checkpoint-{attempt}"
+            folder = space.root / f"checkpoint-{attempt}"
             manifest = committed_manifest(store, url)
             if manifest is None:
                 raise MissingStateError(f"{url}: no committed checkpoint there (no {MANIFESTS}/*.json; a save that "
                                         "did not finish is never loaded)")
             try:
-                _download(store, url, manifest, folder)
+                _download(store, url, manifest, folder, space)
                 break
             except (FileNotFoundError, IntegrityError) as exc:
                 newer = committed_manifest(store, url)
@@ -347,10 +389,10 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
             raise CheckpointChangedError(f"{url}: newer saves replaced it {_RETRIES} times while it was read; retry")
         yield folder
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        space.close()
 
 
-def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path) -> None:
+def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path, space: _MemoryFolder) -> None:
     base = f"{url.prefix}/{manifest['save_id']}"
     objects: dict[str, dict[str, Any]] = manifest["objects"]
     stored = {key[len(base) + 1:]: size for key, size in store.list(base)}
@@ -364,10 +406,9 @@ def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path
     if problems:
         raise IntegrityError("; ".join(problems))
     names = sorted(objects)
-    for name in names:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    crcs = store.download_files([(f"{base}/{n}", str(folder / n), objects[n]["bytes"]) for n in names])
-    (folder / MANIFEST).write_text(json.dumps(manifest["manifest"]), encoding="utf-8")
+    targets = [space.target(folder, n) for n in names]
+    crcs = store.download_files([(f"{base}/{n}", t, objects[n]["bytes"]) for n, t in zip(names, targets)])
+    space.write(folder, MANIFEST, json.dumps(manifest["manifest"]).encode())
     bad = [n for n, crc in zip(names, crcs) if _crc_hex(crc) != objects[n]["crc32c"]]
     if bad:
         _raise_damaged(store, base, folder, bad, objects, dict(zip(names, crcs)))
