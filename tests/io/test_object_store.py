@@ -363,3 +363,76 @@ def test_bad_storage_options_are_value_errors(s3_url):
     with pytest.raises(ValueError, match="is local but project_dir"):
         fastckpt.save_state(model, model_only=True, output_dir="local", project_dir=s3_url)
     assert not keys(key_prefix(s3_url))
+
+
+def _tensor_at(data: bytes, at: int) -> str:
+    """The name of the tensor whose bytes hold offset ``at`` of the safetensors file ``data``."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    rel = at - 8 - size
+    return next(k for k, v in header.items() if k != "__metadata__" and v["data_offsets"][0] <= rel < v["data_offsets"][1])
+
+
+def test_a_flipped_byte_in_a_middle_part_is_found_before_the_model_or_optimizer_change(s3_url):
+    """A byte flipped in the middle of a multipart object (5 MiB ranged reads): IntegrityError naming the object and
+    the tensor, and the live model and optimizer are bit-identical afterwards (every object is checked before the
+    local loader runs, which itself reads into fresh memory and applies last)."""
+    model, opt, sched = build_state(6, 12)
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url, storage_options={"part_size": str(5 * MiB)})
+    key = _objects(s3_url)["model.safetensors"]
+    data = bytearray(_get(key))
+    at = len(data) // 2
+    data[at] ^= 0x01
+    _put(key, bytes(data))
+    live = build_state(7, 12)
+    model_before = model_clone(live[0])
+    opt_before = {k: [t.clone() for t in v.values() if isinstance(t, torch.Tensor)]
+                  for k, v in live[1].state_dict()["state"].items()}
+    with pytest.raises(IntegrityError, match=rf"(?s)s3://{BUCKET}/{key}: crc32c .*tensor '{_tensor_at(bytes(data), at)}'"):
+        fastckpt.load_state(*live, input_dir=s3_url, storage_options={"part_size": str(5 * MiB)})
+    assert_model_state(live[0], model_before)
+    after = live[1].state_dict()["state"]
+    for k, tensors in opt_before.items():
+        now = [t for t in after[k].values() if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(a, b) for a, b in zip(now, tensors, strict=True)), k
+
+
+def test_a_manifest_object_that_disagrees_with_its_checkpoint_manifest_is_refused(committed):
+    url = committed[0]
+    key = keys(key_prefix(url) + "/manifests/")[-1]
+    body = json.loads(_get(key))
+    body["manifest"]["files"]["model.safetensors"]["crc32c"] = "00000000"
+    _put(key, json.dumps(body).encode())
+    _expect_refused(committed, IntegrityError, r"model.safetensors: the manifest object records crc32c [0-9a-f]{8}, "
+                                               r"its checkpoint manifest 00000000")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "unlisted", "missing"])
+def test_hostile_objects_fail_a_dcp_load_naming_the_object_and_leave_the_destinations_unchanged(damage, s3_url):
+    import fastckpt.dcp
+
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(300, 1024, generator=g), "b": torch.randn(700, 1024, generator=g)}
+    fastckpt.dcp.save(state, s3_url)
+    key = next(k for n, k in _objects(s3_url).items() if n.endswith(".safetensors"))
+    data = bytearray(_get(key))
+    match = rf"(?s)s3://{BUCKET}/{key}"
+    if damage == "flip":
+        data[-5] ^= 0x10
+        _put(key, bytes(data))
+        match += rf": crc32c .*tensor '{_tensor_at(bytes(data), len(data) - 5)}'"
+    elif damage == "truncate":
+        _put(key, bytes(data[:-1]))
+        match += r": \d+ bytes stored, \d+ recorded"
+    elif damage == "unlisted":
+        key = key.rsplit("/", 1)[0] + "/extra.safetensors"
+        _put(key, bytes(data))
+        match = rf"s3://{BUCKET}/{key}: not in the manifest"
+    else:
+        client().delete_object(Bucket=BUCKET, Key=key)
+        match += ": missing"
+    target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    with pytest.raises(IntegrityError, match=match):
+        fastckpt.dcp.load(target, s3_url)
+    for v in target.values():
+        assert torch.equal(v, torch.full_like(v, 7.0))

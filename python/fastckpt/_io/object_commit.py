@@ -17,9 +17,10 @@ manifests deleted (manifest first, then their objects) with leftovers of saves t
 aborted through the ``.fastckpt-upload`` markers), so nothing committed is lost by a failed save.
 
 A load takes the newest manifest, lists the save's prefix and refuses a missing object, one of another size or an
-object the manifest does not list (:class:`~fastckpt.errors.IntegrityError` naming it); it downloads every object
-by ranged parallel reads, checks each crc32c as the bytes come in (a mismatch names the object and the tensor),
-and hands the local folder to the local loader.
+object the manifest does not list (:class:`~fastckpt.errors.IntegrityError` naming it); it reads every object
+into an in-memory file of its own by ranged parallel reads (nothing is written to local disk), checks each crc32c
+as the bytes come in (a mismatch names the object and the tensor), and hands a folder of links to those files to
+the local loader, which reads fresh memory first and applies after, as for a local folder.
 
 May import: layers 0-1 and other ``_io`` modules.
 """
@@ -358,7 +359,9 @@ class _MemoryFolder:
 def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
     """The committed checkpoint at ``url`` read into memory (:class:`_MemoryFolder`: nothing is written to local
     disk) by ranged parallel reads, every object's crc32c summed as its bytes come in and checked against the
-    manifest before this yields; yields a folder of it for the local loader (removed afterwards, with the memory).
+    manifest (and the checkpoint manifest inside it recording the same file sums) before this yields; yields a
+    folder of it for the local loader (removed afterwards, with the memory). Every byte of the folder is then
+    known to be what was saved: a loader need not sum it again (it is private memory nobody else writes).
 
     Raises:
         MissingStateError: no committed manifest at ``url``.
@@ -403,6 +406,12 @@ def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path
         elif stored[name] != entry["bytes"]:
             problems.append(f"{store.url(f'{base}/{name}')}: {stored[name]} bytes stored, {entry['bytes']} recorded")
     problems += [f"{store.url(f'{base}/{name}')}: not in the manifest" for name in sorted(set(stored) - set(objects))]
+    recorded = manifest["manifest"].get("files")
+    for name, entry in sorted(objects.items()):  # the whole-object sums stand for the local manifest's file sums
+        file = recorded.get(name) if isinstance(recorded, dict) else None
+        if isinstance(file, dict) and "crc32c" in file and file["crc32c"] != entry["crc32c"]:
+            problems.append(f"{store.url(f'{base}/{name}')}: the manifest object records crc32c {entry['crc32c']}, "
+                            f"its checkpoint manifest {file['crc32c']}")
     if problems:
         raise IntegrityError("; ".join(problems))
     names = sorted(objects)
