@@ -145,15 +145,17 @@ def _watch_fetches(monkeypatch, tmp_path) -> list[dict[str, str]]:
 
     def record(space) -> None:
         found = {}
-        for dirpath, _dirs, files in os.walk(space.root):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, space.root)
-                if os.path.islink(path):  # /proc/self/fd/N, whose own link names the memfd
-                    found[rel] = "memfd" if os.readlink(os.readlink(path)).startswith("/memfd:") else "link"
-                else:
-                    found[rel] = f"file of {os.path.getsize(path)} bytes"
-        seen.append(found)
+        for root in space.roots:
+            for dirpath, _dirs, files in os.walk(root):
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    rel = os.path.relpath(path, root)
+                    if os.path.islink(path):  # /proc/self/fd/N, whose own link names the memfd
+                        found[rel] = "memfd" if os.readlink(os.readlink(path)).startswith("/memfd:") else "link"
+                    else:
+                        found[rel] = "file"
+        if space.roots:
+            seen.append(found)
         close(space)
 
     monkeypatch.setattr(object_commit._MemoryFolder, "close", record)
@@ -192,6 +194,23 @@ def test_a_load_from_s3_writes_nothing_to_local_disk(reader, s3_url, tmp_path, m
     assert set(seen[0].values()) == {"memfd"}, seen[0]
     assert sorted(n.split("/", 1)[1] for n in seen[0]) == sorted([*_objects(s3_url), "fastckpt.json"])
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_checkpoint_larger_than_the_memory_available_is_read_into_a_temp_folder(s3_url, tmp_path, monkeypatch,
+                                                                                     caplog):
+    from fastckpt._io import object_commit
+
+    model, opt, sched = build_state(6, 2)
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url)
+    seen = _watch_fetches(monkeypatch, tmp_path)
+    monkeypatch.setattr(object_commit, "memory_available", lambda: 1000)
+    live = build_state(7, 2)
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        fastckpt.load_state(*live, input_dir=s3_url)
+    assert_model_state(live[0], model_clone(model))
+    assert "more than the 1000 bytes of memory available: read into a local temp folder" in caplog.text
+    assert len(seen) == 1 and set(seen[0].values()) == {"file"}
+    assert list((tmp_path / "tmp").iterdir()) == []  # removed after the load
 
 
 def test_sharded_multipart_round_trip(s3_url):

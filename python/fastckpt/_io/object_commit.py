@@ -42,6 +42,7 @@ from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.files import SavePlan
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
+from fastckpt._io.log import logger
 from fastckpt._io.object_store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
 
@@ -316,6 +317,18 @@ def delete_checkpoint(store: Any, url: ObjectUrl) -> None:
     _delete_objects(store, [k for k, _ in store.list(url.prefix)])
 
 
+def memory_available() -> int | None:
+    """Bytes of memory the kernel could give without swapping (``MemAvailable``), None when it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class _MemoryFolder:
     """Where a fetched checkpoint lives: in memory, never on local disk.
 
@@ -323,16 +336,28 @@ class _MemoryFolder:
     size), filled by the store's ranged parallel reads through ``/proc/self/fd/N``; the folder the local loader
     reads is a private directory of symlinks to them (on ``/dev/shm`` when it is there, else in the temp folder:
     links only, no data), so every path-based reader (mmap, the pinned folder handle) works unchanged and the
-    bytes are written once, from the responses into the memory the loader maps. Without ``memfd_create`` (not
-    Linux) the objects are plain files in a private temp folder.
+    bytes are written once, from the responses into the memory the loader maps. A checkpoint larger than the
+    memory available (``MemAvailable``), or a system without ``memfd_create`` (not Linux), is read into plain
+    files of a private temp folder instead (logged).
     """
 
     def __init__(self) -> None:
-        self.memory = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+        self.can_map = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+        self.memory = False
+        self.roots: list[Path] = []
+        self.fds: list[int] = []
+
+    def folder(self, nbytes: int, where: str) -> Path:
+        """A new empty folder for a checkpoint of ``nbytes`` bytes (``where``: its URL, for the log)."""
+        available = memory_available() if self.can_map else None
+        self.memory = self.can_map and (available is None or nbytes <= available)
+        if self.can_map and not self.memory:
+            logger.warning("%s: %d bytes, more than the %d bytes of memory available: read into a local temp "
+                           "folder instead", where, nbytes, available)
         shm = "/dev/shm"
         scratch = shm if self.memory and os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-        self.root = Path(tempfile.mkdtemp(prefix="fastckpt-s3-", dir=scratch))
-        self.fds: list[int] = []
+        self.roots.append(Path(tempfile.mkdtemp(prefix="fastckpt-s3-", dir=scratch)))
+        return self.roots[-1] / "checkpoint"
 
     def target(self, folder: Path, name: str) -> str:
         """The path to write the object ``name`` of ``folder`` into (its file, or the memfd behind its link)."""
@@ -350,7 +375,8 @@ class _MemoryFolder:
             f.write(data)
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        while self.roots:
+            shutil.rmtree(self.roots.pop(), ignore_errors=True)
         while self.fds:  # the memory goes when the last mapping of it does
             os.close(self.fds.pop())
 
@@ -372,14 +398,13 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
     """
     space = _MemoryFolder()
     try:
-        for attempt in range(_RETRIES):
-            folder = space.root / f"checkpoint-{attempt}"
+        for _attempt in range(_RETRIES):
             manifest = committed_manifest(store, url)
             if manifest is None:
                 raise MissingStateError(f"{url}: no committed checkpoint there (no {MANIFESTS}/*.json; a save that "
                                         "did not finish is never loaded)")
             try:
-                _download(store, url, manifest, folder, space)
+                folder = _download(store, url, manifest, space)
                 break
             except (FileNotFoundError, IntegrityError) as exc:
                 newer = committed_manifest(store, url)
@@ -387,7 +412,7 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
                     if isinstance(exc, IntegrityError):
                         raise
                     raise IntegrityError(f"{exc} (listed in the manifest of {url})") from None
-                shutil.rmtree(folder, ignore_errors=True)  # a newer save replaced it while we read: start over
+                space.close()  # a newer save replaced it while we read: start over
         else:
             raise CheckpointChangedError(f"{url}: newer saves replaced it {_RETRIES} times while it was read; retry")
         yield folder
@@ -395,7 +420,8 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
         space.close()
 
 
-def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path, space: _MemoryFolder) -> None:
+def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], space: _MemoryFolder) -> Path:
+    """Read the save ``manifest`` names into a new folder of ``space``, checked (see :func:`fetched_checkpoint`)."""
     base = f"{url.prefix}/{manifest['save_id']}"
     objects: dict[str, dict[str, Any]] = manifest["objects"]
     stored = {key[len(base) + 1:]: size for key, size in store.list(base)}
@@ -415,12 +441,14 @@ def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path
     if problems:
         raise IntegrityError("; ".join(problems))
     names = sorted(objects)
+    folder = space.folder(sum(objects[n]["bytes"] for n in names), str(url))
     targets = [space.target(folder, n) for n in names]
     crcs = store.download_files([(f"{base}/{n}", t, objects[n]["bytes"]) for n, t in zip(names, targets)])
     space.write(folder, MANIFEST, json.dumps(manifest["manifest"]).encode())
     bad = [n for n, crc in zip(names, crcs) if _crc_hex(crc) != objects[n]["crc32c"]]
     if bad:
         _raise_damaged(store, base, folder, bad, objects, dict(zip(names, crcs)))
+    return folder
 
 
 def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects: dict[str, Any],
