@@ -365,7 +365,7 @@ class _MemoryFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not self.memory:
             return str(path)
-        fd = os.memfd_create(name.replace("/", "_"))
+        fd = os.memfd_create(name.replace("/", "_")[-200:])  # the name only shows in /proc (at most 249 bytes)
         self.fds.append(fd)
         os.symlink(f"/proc/self/fd/{fd}", path)
         return f"/proc/self/fd/{fd}"
