@@ -463,8 +463,10 @@ def load_state(
             live parameter's dtype, as torch's ``load_state_dict`` does; default False refuses them (DtypeError).
         storage_options: for an ``s3://`` ``input_dir`` / ``project_dir``: see :func:`save_state`. The newest
             committed manifest is read, every object it lists is checked to exist with its recorded size (an object
-            it does not list is refused), downloaded by ranged parallel reads and checked by crc32c (IntegrityError
-            naming the object and tensor), then loaded as a local folder.
+            it does not list is refused), read into memory by ranged parallel reads (nothing is written to local
+            disk) with its crc32c summed as the bytes come in and checked (IntegrityError naming the object and
+            tensor; always, whatever ``verify`` says), then loaded as a local folder: nothing live changes before
+            every object checked.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -494,8 +496,9 @@ def load_state(
         if is_sharded(_as_list(model, "model")):
             raise ValueError("sharded (DTensor / FSDP2) models do not load from s3:// yet; load into the plain model")
         with fetched(remote, project, model_only=model_only, storage_options=storage_options) as folder:
+            # every object's crc32c was checked as it came in (verify=False skips only those sums): not summed again
             return load_state(model, optimizer, scheduler, input_dir=folder, model_only=model_only, strict=strict,
-                              map_location=map_location, threads=threads, trust_pickle=trust_pickle, verify=verify,
+                              map_location=map_location, threads=threads, trust_pickle=trust_pickle, verify=False,
                               timeout=timeout, cast=cast)
     if model is None:
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")

@@ -130,6 +130,89 @@ def test_dcp_save_uploads_strided_and_tied_tensors_from_memory_bit_exact(s3_url,
         assert torch.equal(target[k], v), k
 
 
+def _watch_fetches(monkeypatch, tmp_path) -> list[dict[str, str]]:
+    """Point the temp folder at an empty ``tmp_path/tmp`` and record, as each fetched checkpoint is released, what
+    its folder held: ``{relative path: what it is}`` ("memfd" for a link to an in-memory file)."""
+    import os
+    import tempfile
+
+    from fastckpt._io import object_commit
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    seen: list[dict[str, str]] = []
+    close = object_commit._MemoryFolder.close
+
+    def record(space) -> None:
+        found = {}
+        for root in space.roots:
+            for dirpath, _dirs, files in os.walk(root):
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    rel = os.path.relpath(path, root)
+                    if os.path.islink(path):  # /proc/self/fd/N, whose own link names the memfd
+                        found[rel] = "memfd" if os.readlink(os.readlink(path)).startswith("/memfd:") else "link"
+                    else:
+                        found[rel] = "file"
+        if space.roots:
+            seen.append(found)
+        close(space)
+
+    monkeypatch.setattr(object_commit._MemoryFolder, "close", record)
+    return seen
+
+
+@pytest.mark.parametrize("reader", ["load_state", "dcp", "verify"])
+def test_a_load_from_s3_writes_nothing_to_local_disk(reader, s3_url, tmp_path, monkeypatch):
+    """Every object of the checkpoint is read into its own in-memory file (memfd) by ranged reads: the folder the
+    local loader reads holds links to them only, the temp folder stays empty, and the load is bit-exact."""
+    import fastckpt.dcp
+
+    if reader == "dcp":
+        state = {"w": torch.randn(700, 1024), "b": torch.arange(7)}
+        fastckpt.dcp.save(state, s3_url, storage_options={"part_size": str(5 * MiB)})
+    else:
+        model, opt, sched = build_state(6, 12)
+        fastckpt.save_state(model, opt, sched, output_dir=s3_url, step=3,
+                            storage_options={"part_size": str(5 * MiB), "concurrency": "3"})
+    seen = _watch_fetches(monkeypatch, tmp_path)
+    if reader == "dcp":
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        fastckpt.dcp.load(target, s3_url, storage_options={"part_size": str(5 * MiB)})
+        for k, v in state.items():
+            assert torch.equal(target[k], v), k
+    elif reader == "verify":
+        assert fastckpt.verify_checkpoint(s3_url).ok
+    else:
+        live = build_state(7, 12)
+        fastckpt.load_state(*live, input_dir=s3_url, storage_options={"part_size": str(5 * MiB)})
+        assert_model_state(live[0], model_clone(model))
+    import gc
+
+    gc.collect()  # a DCP reader releases its fetch when it goes
+    assert len(seen) == 1 and seen[0]
+    assert set(seen[0].values()) == {"memfd"}, seen[0]
+    assert sorted(n.split("/", 1)[1] for n in seen[0]) == sorted([*_objects(s3_url), "fastckpt.json"])
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_checkpoint_larger_than_the_memory_available_is_read_into_a_temp_folder(s3_url, tmp_path, monkeypatch,
+                                                                                     caplog):
+    from fastckpt._io import object_commit
+
+    model, opt, sched = build_state(6, 2)
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url)
+    seen = _watch_fetches(monkeypatch, tmp_path)
+    monkeypatch.setattr(object_commit, "memory_available", lambda: 1000)
+    live = build_state(7, 2)
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        fastckpt.load_state(*live, input_dir=s3_url)
+    assert_model_state(live[0], model_clone(model))
+    assert "more than the 1000 bytes of memory available: read into a local temp folder" in caplog.text
+    assert len(seen) == 1 and set(seen[0].values()) == {"file"}
+    assert list((tmp_path / "tmp").iterdir()) == []  # removed after the load
+
+
 def test_sharded_multipart_round_trip(s3_url):
     """max_shard_size splits the model; 5 MiB parts make each 8 MiB shard a multipart upload (2 parts)."""
     model, opt, sched = build_state(4, 16)
@@ -299,3 +382,76 @@ def test_bad_storage_options_are_value_errors(s3_url):
     with pytest.raises(ValueError, match="is local but project_dir"):
         fastckpt.save_state(model, model_only=True, output_dir="local", project_dir=s3_url)
     assert not keys(key_prefix(s3_url))
+
+
+def _tensor_at(data: bytes, at: int) -> str:
+    """The name of the tensor whose bytes hold offset ``at`` of the safetensors file ``data``."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    rel = at - 8 - size
+    return next(k for k, v in header.items() if k != "__metadata__" and v["data_offsets"][0] <= rel < v["data_offsets"][1])
+
+
+def test_a_flipped_byte_in_a_middle_part_is_found_before_the_model_or_optimizer_change(s3_url):
+    """A byte flipped in the middle of a multipart object (5 MiB ranged reads): IntegrityError naming the object and
+    the tensor, and the live model and optimizer are bit-identical afterwards (every object is checked before the
+    local loader runs, which itself reads into fresh memory and applies last)."""
+    model, opt, sched = build_state(6, 12)
+    fastckpt.save_state(model, opt, sched, output_dir=s3_url, storage_options={"part_size": str(5 * MiB)})
+    key = _objects(s3_url)["model.safetensors"]
+    data = bytearray(_get(key))
+    at = len(data) // 2
+    data[at] ^= 0x01
+    _put(key, bytes(data))
+    live = build_state(7, 12)
+    model_before = model_clone(live[0])
+    opt_before = {k: [t.clone() for t in v.values() if isinstance(t, torch.Tensor)]
+                  for k, v in live[1].state_dict()["state"].items()}
+    with pytest.raises(IntegrityError, match=rf"(?s)s3://{BUCKET}/{key}: crc32c .*tensor '{_tensor_at(bytes(data), at)}'"):
+        fastckpt.load_state(*live, input_dir=s3_url, storage_options={"part_size": str(5 * MiB)})
+    assert_model_state(live[0], model_before)
+    after = live[1].state_dict()["state"]
+    for k, tensors in opt_before.items():
+        now = [t for t in after[k].values() if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(a, b) for a, b in zip(now, tensors, strict=True)), k
+
+
+def test_a_manifest_object_that_disagrees_with_its_checkpoint_manifest_is_refused(committed):
+    url = committed[0]
+    key = keys(key_prefix(url) + "/manifests/")[-1]
+    body = json.loads(_get(key))
+    body["manifest"]["files"]["model.safetensors"]["crc32c"] = "00000000"
+    _put(key, json.dumps(body).encode())
+    _expect_refused(committed, IntegrityError, r"model.safetensors: the manifest object records crc32c [0-9a-f]{8}, "
+                                               r"its checkpoint manifest 00000000")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "unlisted", "missing"])
+def test_hostile_objects_fail_a_dcp_load_naming_the_object_and_leave_the_destinations_unchanged(damage, s3_url):
+    import fastckpt.dcp
+
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(300, 1024, generator=g), "b": torch.randn(700, 1024, generator=g)}
+    fastckpt.dcp.save(state, s3_url)
+    key = next(k for n, k in _objects(s3_url).items() if n.endswith(".safetensors"))
+    data = bytearray(_get(key))
+    match = rf"(?s)s3://{BUCKET}/{key}"
+    if damage == "flip":
+        data[-5] ^= 0x10
+        _put(key, bytes(data))
+        match += rf": crc32c .*tensor '{_tensor_at(bytes(data), len(data) - 5)}'"
+    elif damage == "truncate":
+        _put(key, bytes(data[:-1]))
+        match += r": \d+ bytes stored, \d+ recorded"
+    elif damage == "unlisted":
+        key = key.rsplit("/", 1)[0] + "/extra.safetensors"
+        _put(key, bytes(data))
+        match = rf"s3://{BUCKET}/{key}: not in the manifest"
+    else:
+        client().delete_object(Bucket=BUCKET, Key=key)
+        match += ": missing"
+    target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    with pytest.raises(IntegrityError, match=match):
+        fastckpt.dcp.load(target, s3_url)
+    for v in target.values():
+        assert torch.equal(v, torch.full_like(v, 7.0))

@@ -82,7 +82,8 @@ def fetched(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: boo
             storage_options: Mapping[str, Any] | None) -> Iterator[Path]:
     """The checkpoint at ``url`` (or the latest under ``project``'s ``checkpoints/``: saved in full, or of either
     kind with ``model_only``, as locally) as a
-    local folder, checked against its manifest while downloaded; removed afterwards.
+    folder for the local loader, held in memory and checked against its manifest as it is read
+    (:func:`fastckpt._io.object_commit.fetched_checkpoint`); released afterwards.
 
     Raises:
         MissingStateError: no committed checkpoint there. IntegrityError, HeaderError, OSError: see

@@ -17,9 +17,10 @@ manifests deleted (manifest first, then their objects) with leftovers of saves t
 aborted through the ``.fastckpt-upload`` markers), so nothing committed is lost by a failed save.
 
 A load takes the newest manifest, lists the save's prefix and refuses a missing object, one of another size or an
-object the manifest does not list (:class:`~fastckpt.errors.IntegrityError` naming it); it downloads every object
-by ranged parallel reads, checks each crc32c as the bytes come in (a mismatch names the object and the tensor),
-and hands the local folder to the local loader.
+object the manifest does not list (:class:`~fastckpt.errors.IntegrityError` naming it); it reads every object
+into an in-memory file of its own by ranged parallel reads (nothing is written to local disk), checks each crc32c
+as the bytes come in (a mismatch names the object and the tensor), and hands a folder of links to those files to
+the local loader, which reads fresh memory first and applies after, as for a local folder.
 
 May import: layers 0-1 and other ``_io`` modules.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -40,6 +42,7 @@ from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.files import SavePlan
 from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
+from fastckpt._io.log import logger
 from fastckpt._io.object_store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
 
@@ -314,9 +317,77 @@ def delete_checkpoint(store: Any, url: ObjectUrl) -> None:
     _delete_objects(store, [k for k, _ in store.list(url.prefix)])
 
 
+def memory_available() -> int | None:
+    """Bytes of memory the kernel could give without swapping (``MemAvailable``), None when it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _MemoryFolder:
+    """Where a fetched checkpoint lives: in memory, never on local disk.
+
+    Each object is one anonymous in-memory file (``memfd_create``: pages of RAM, not bounded by a tmpfs mount's
+    size), filled by the store's ranged parallel reads through ``/proc/self/fd/N``; the folder the local loader
+    reads is a private directory of symlinks to them (on ``/dev/shm`` when it is there, else in the temp folder:
+    links only, no data), so every path-based reader (mmap, the pinned folder handle) works unchanged and the
+    bytes are written once, from the responses into the memory the loader maps. A checkpoint larger than the
+    memory available (``MemAvailable``), or a system without ``memfd_create`` (not Linux), is read into plain
+    files of a private temp folder instead (logged).
+    """
+
+    def __init__(self) -> None:
+        self.can_map = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+        self.memory = False
+        self.roots: list[Path] = []
+        self.fds: list[int] = []
+
+    def folder(self, nbytes: int, where: str) -> Path:
+        """A new empty folder for a checkpoint of ``nbytes`` bytes (``where``: its URL, for the log)."""
+        available = memory_available() if self.can_map else None
+        self.memory = self.can_map and (available is None or nbytes <= available)
+        if self.can_map and not self.memory:
+            logger.warning("%s: %d bytes, more than the %d bytes of memory available: read into a local temp "
+                           "folder instead", where, nbytes, available)
+        shm = "/dev/shm"
+        scratch = shm if self.memory and os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+        self.roots.append(Path(tempfile.mkdtemp(prefix="fastckpt-s3-", dir=scratch)))
+        return self.roots[-1] / "checkpoint"
+
+    def target(self, folder: Path, name: str) -> str:
+        """The path to write the object ``name`` of ``folder`` into (its file, or the memfd behind its link)."""
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.memory:
+            return str(path)
+        fd = os.memfd_create(name.replace("/", "_")[-200:])  # the name only shows in /proc (at most 249 bytes)
+        self.fds.append(fd)
+        os.symlink(f"/proc/self/fd/{fd}", path)
+        return f"/proc/self/fd/{fd}"
+
+    def write(self, folder: Path, name: str, data: bytes) -> None:
+        with open(self.target(folder, name), "wb") as f:
+            f.write(data)
+
+    def close(self) -> None:
+        while self.roots:
+            shutil.rmtree(self.roots.pop(), ignore_errors=True)
+        while self.fds:  # the memory goes when the last mapping of it does
+            os.close(self.fds.pop())
+
+
 @contextlib.contextmanager
 def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
-    """The committed checkpoint at ``url`` downloaded into a private local folder (removed afterwards).
+    """The committed checkpoint at ``url`` read into memory (:class:`_MemoryFolder`: nothing is written to local
+    disk) by ranged parallel reads, every object's crc32c summed as its bytes come in and checked against the
+    manifest (and the checkpoint manifest inside it recording the same file sums) before this yields; yields a
+    folder of it for the local loader (removed afterwards, with the memory). Every byte of the folder is then
+    known to be what was saved: a loader need not sum it again (it is private memory nobody else writes).
 
     Raises:
         MissingStateError: no committed manifest at ``url``.
@@ -325,16 +396,15 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
         CheckpointChangedError: newer saves replaced the checkpoint while it was read, 5 times in a row.
         HeaderError: a malformed manifest. OSError: the store failed after the bounded retries.
     """
-    tmp = Path(tempfile.mkdtemp(prefix="fastckpt-s3-"))
+    space = _MemoryFolder()
     try:
-        for attempt in range(_RETRIES):
-            folder = tmp / f"checkpoint-{attempt}"
+        for _attempt in range(_RETRIES):
             manifest = committed_manifest(store, url)
             if manifest is None:
                 raise MissingStateError(f"{url}: no committed checkpoint there (no {MANIFESTS}/*.json; a save that "
                                         "did not finish is never loaded)")
             try:
-                _download(store, url, manifest, folder)
+                folder = _download(store, url, manifest, space)
                 break
             except (FileNotFoundError, IntegrityError) as exc:
                 newer = committed_manifest(store, url)
@@ -342,15 +412,16 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
                     if isinstance(exc, IntegrityError):
                         raise
                     raise IntegrityError(f"{exc} (listed in the manifest of {url})") from None
-                shutil.rmtree(folder, ignore_errors=True)  # a newer save replaced it while we read: start over
+                space.close()  # a newer save replaced it while we read: start over
         else:
             raise CheckpointChangedError(f"{url}: newer saves replaced it {_RETRIES} times while it was read; retry")
         yield folder
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        space.close()
 
 
-def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path) -> None:
+def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], space: _MemoryFolder) -> Path:
+    """Read the save ``manifest`` names into a new folder of ``space``, checked (see :func:`fetched_checkpoint`)."""
     base = f"{url.prefix}/{manifest['save_id']}"
     objects: dict[str, dict[str, Any]] = manifest["objects"]
     stored = {key[len(base) + 1:]: size for key, size in store.list(base)}
@@ -361,16 +432,23 @@ def _download(store: Any, url: ObjectUrl, manifest: dict[str, Any], folder: Path
         elif stored[name] != entry["bytes"]:
             problems.append(f"{store.url(f'{base}/{name}')}: {stored[name]} bytes stored, {entry['bytes']} recorded")
     problems += [f"{store.url(f'{base}/{name}')}: not in the manifest" for name in sorted(set(stored) - set(objects))]
+    recorded = manifest["manifest"].get("files")
+    for name, entry in sorted(objects.items()):  # the whole-object sums stand for the local manifest's file sums
+        file = recorded.get(name) if isinstance(recorded, dict) else None
+        if isinstance(file, dict) and "crc32c" in file and file["crc32c"] != entry["crc32c"]:
+            problems.append(f"{store.url(f'{base}/{name}')}: the manifest object records crc32c {entry['crc32c']}, "
+                            f"its checkpoint manifest {file['crc32c']}")
     if problems:
         raise IntegrityError("; ".join(problems))
     names = sorted(objects)
-    for name in names:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-    crcs = store.download_files([(f"{base}/{n}", str(folder / n), objects[n]["bytes"]) for n in names])
-    (folder / MANIFEST).write_text(json.dumps(manifest["manifest"]), encoding="utf-8")
+    folder = space.folder(sum(objects[n]["bytes"] for n in names), str(url))
+    targets = [space.target(folder, n) for n in names]
+    crcs = store.download_files([(f"{base}/{n}", t, objects[n]["bytes"]) for n, t in zip(names, targets)])
+    space.write(folder, MANIFEST, json.dumps(manifest["manifest"]).encode())
     bad = [n for n, crc in zip(names, crcs) if _crc_hex(crc) != objects[n]["crc32c"]]
     if bad:
         _raise_damaged(store, base, folder, bad, objects, dict(zip(names, crcs)))
+    return folder
 
 
 def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects: dict[str, Any],

@@ -277,8 +277,8 @@ def load_state(
             default False refuses them (DtypeError).
 
     Object storage: an ``s3://`` ``input_dir`` (or, with ``input_dir=None``, an ``s3://`` ``project_dir``: its
-    latest committed checkpoint): the main process picks it, every process downloads it (crc32c checked) into a
-    private folder, and the processes check they fetched the same committed save before anything is applied.
+    latest committed checkpoint): the main process picks it, every process reads it (crc32c checked) into memory of its own
+    (nothing written to local disk), and the processes check they fetched the same committed save before anything is applied.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the models. Also sets ``accelerator.step`` from the RNG

@@ -78,8 +78,9 @@ class StorageReader(_DCPStorageReader):
 
     Args:
         path: the folder (``dcp_metadata.json`` in it), or an ``s3://bucket/prefix`` an s3 save committed: each
-            rank then first downloads the committed checkpoint into a private local folder, every object checked
-            against the manifest object (size, crc32c), and reads from there.
+            rank then first reads the committed checkpoint into memory (one in-memory file per object, filled by
+            ranged parallel reads; nothing written to local disk), every object checked against the manifest
+            object (size, crc32c summed as the bytes come in, whatever ``verify`` says), and reads from there.
         threads: reader threads (0 = min(8, cores)).
         verify: check the crc32c of every chunk read (a folder without a manifest records none: nothing to check).
         checksums: the folder's files as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``):
@@ -174,7 +175,9 @@ class StorageReader(_DCPStorageReader):
             dest = planner.resolve_tensor(item).detach()
             self._check(item, dest)
             tensor_items.append((item, dest))
-        if self.verify:  # every chunk a box is read from, summed whole, before anything is filled
+        # every chunk a box is read from, summed whole, before anything is filled (a fetched s3 checkpoint was
+        # summed whole as it came in: not again)
+        if self.verify and self.url is None:
             wanted: dict[str, set[str]] = {}
             for item, _dest in tensor_items:
                 loc = parsed.chunks[(item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))]
