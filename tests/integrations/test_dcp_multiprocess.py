@@ -141,9 +141,11 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(run):
     reloaded = template(full_state(1))
     fastckpt.dcp.load(reloaded, out / "K")
     assert mismatches(full_state(1), reloaded) == []
-    # rank 0 (the coordinator, owner of the staging folder) removed it on its way out
-    assert not any(name.startswith(".K.") for name in leftovers(out))
+    if "[rank0]: Traceback" in killed.stderr:  # rank 0 (the coordinator, owner of the staging folder) saw the
+        assert not any(name.startswith(".K.") for name in leftovers(out))  # error itself: removed it on its way out
+    # (when torchrun's SIGTERM stopped rank 0 first, its staging folder stays until the next save of K removes it)
     fastckpt.dcp.save(full_state(2), out / "K")
+    assert not any(name.startswith(".K.") for name in leftovers(out))
     reloaded = template(full_state(2))
     fastckpt.dcp.load(reloaded, out / "K")
     assert mismatches(full_state(2), reloaded) == []

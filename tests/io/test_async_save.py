@@ -121,20 +121,31 @@ def test_a_second_async_save_waits_for_the_first(tmp_path, held_writer):
     assert first.done() and second and second[0].wait() == (tmp_path / "b").absolute()
 
 
-def test_a_failure_is_raised_by_wait(tmp_path):
+def _becomes_a_file(folder) -> None:
+    """Replace the (empty) folder ``folder`` by a file: a held async write into it then fails in the writer (a save
+    is refused at the call when its folder already lies under a file)."""
+    folder.rmdir()
+    folder.write_text("not a folder")
+
+
+def test_a_failure_is_raised_by_wait(tmp_path, held_writer):
     model, _ = _model_and_optimizer()
-    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "file").mkdir()
     handle = fastckpt.save_state(model, output_dir=tmp_path / "file" / "ckpt", async_save=True)
+    _becomes_a_file(tmp_path / "file")
+    held_writer.set()
     with pytest.raises(OSError):
         handle.wait()
     assert isinstance(handle.exception(), OSError)
     fastckpt.save_state(model, output_dir=tmp_path / "ok")  # reported by wait(): not raised again
 
 
-def test_a_failure_is_raised_by_the_next_save_once(tmp_path):
+def test_a_failure_is_raised_by_the_next_save_once(tmp_path, held_writer):
     model, _ = _model_and_optimizer()
-    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "file").mkdir()
     fastckpt.save_state(model, output_dir=tmp_path / "file" / "ckpt", async_save=True)
+    _becomes_a_file(tmp_path / "file")
+    held_writer.set()
     with pytest.raises(OSError) as info:
         fastckpt.save_state(model, output_dir=tmp_path / "next", async_save=True)
     assert any("earlier async save" in note for note in getattr(info.value, "__notes__", []))
