@@ -150,3 +150,13 @@ def test_the_heartbeat_thread_beats_on_a_connection_of_its_own(store, monkeypatc
     assert store.get("fastckpt/1/alive/0") == b"0 -1"
     # the clone went back to the pool: the next heartbeat (or store wait) reuses it
     assert distributed.borrow_connection(recorder) is recorder.clones[0]
+
+
+def test_a_polling_wait_starts_no_thread_and_sees_the_last_key(store):
+    before = threading.active_count()
+    wait = KeyWait(store, ["p", "q"], 30, poll=True)
+    assert wait._connection is None and threading.active_count() == before
+    store.set("p", "1")
+    assert not wait.arrived(0.05)
+    store.set("q", "2")
+    assert wait.arrived(5)

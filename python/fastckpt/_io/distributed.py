@@ -185,7 +185,7 @@ class Session:
         if self._call(lambda: self.store.check(keys)):
             return
         period = max(0.2, min(self.timeout / 10, 5.0))
-        waiting = self._call(lambda: KeyWait(self.store, keys, self.timeout))
+        waiting = self._call(lambda: KeyWait(self.store, keys, self.timeout, poll=True))
         try:
             self._wait_for(waiting, keys, ranks, step, period)
         except BaseException as exc:  # gave up: release this process's waiting thread (the keys read as given up)

@@ -8,11 +8,18 @@ holds its connection's lock for the whole of a ``wait``, which would block every
 The clones are kept for the next wait (a pool per store, held weakly: it goes with the store), since opening
 a connection costs a round trip to the store's server and, now and then, seconds of the client's connect backoff.
 A store that cannot be cloned is waited on in slices from the calling thread instead.
+
+``poll=True`` (what :class:`fastckpt._io.distributed.Session` uses): the calling thread ``check``s the keys with a
+short backoff (1-20 ms) instead, with no thread and no ``wait`` that can run out: a 2-4 process FSDP2 test aborted
+now and then (``malloc(): unaligned tcache chunk detected``, every thread's stack outside fastckpt's code) right after
+blocking waits on cloned connections had run out in its timeout scenario. The backoff costs up to ~20 ms per step
+on an oversubscribed machine; correctness first.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -69,14 +76,16 @@ class KeyWait:
             when to give up; a long one keeps the store's timeout warnings rare).
     """
 
-    def __init__(self, store: Any, keys: list[str], timeout: float) -> None:
+    def __init__(self, store: Any, keys: list[str], timeout: float, *, poll: bool = False) -> None:
         self._store = store
         self._keys = keys
         self._timeout = timedelta(seconds=timeout)
         self._done = threading.Event()
         self._arrived = False
         self._error: BaseException | None = None
-        self._connection = borrow_connection(store)  # None: sliced waits from the calling thread (see arrived)
+        self._poll = poll
+        # None: the calling thread checks (poll) or waits in slices on the store itself (see arrived)
+        self._connection = None if poll else borrow_connection(store)
         if self._connection is not None:
             self._start()
 
@@ -111,6 +120,8 @@ class KeyWait:
         Raises:
             Exception: the store's own error when its connection failed (its server went away).
         """
+        if self._poll:
+            return self._poll_for(seconds)
         if self._connection is None:
             try:
                 self._store.wait(self._keys, timedelta(seconds=seconds))
@@ -127,3 +138,18 @@ class KeyWait:
             return True
         self._start()  # the thread's own wait ran out while the caller still waits: wait again
         return False
+
+    def _poll_for(self, seconds: float) -> bool:
+        """``check`` the keys from the calling thread, 1 ms apart at first, backing off to 20 ms, for at most
+        ``seconds``: no waiting thread and no ``wait`` that runs out in the store's C++ client (a torchrun test
+        aborted with heap corruption right after such timed-out waits on cloned connections)."""
+        deadline = time.monotonic() + seconds
+        pause = 0.001
+        while True:
+            if self._store.check(self._keys):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
