@@ -176,8 +176,8 @@ class Session:
     def _wait(self, keys: list[str], ranks: list[int], step: str) -> None:
         """Wait until every key exists; raise CollectiveTimeoutError after ``timeout`` s without progress.
 
-        The keys are awaited with a blocking ``store.wait`` (:class:`~fastckpt._io.store_wait.KeyWait`), which
-        returns the moment the last one is set; every ``period`` between, this process bumps its heartbeat, raises
+        The keys are checked with a short backoff (:class:`~fastckpt._io.store_wait.KeyWait`, within ~20 ms of the
+        last one being set); every ``period`` between, this process bumps its heartbeat, raises
         if the operation was abandoned, and looks at the heartbeats of the processes it waits for. Progress: a
         process waited for that is alive and not past this step (it bumps its ``alive`` key while it waits or
         works) extends the deadline, so only a process that died or never came makes the wait fail.
@@ -185,15 +185,15 @@ class Session:
         if self._call(lambda: self.store.check(keys)):
             return
         period = max(0.2, min(self.timeout / 10, 5.0))
-        waiting = self._call(lambda: KeyWait(self.store, keys, self.timeout, poll=True))
+        waiting = self._call(lambda: KeyWait(self.store, keys))
         try:
             self._wait_for(waiting, keys, ranks, step, period)
-        except BaseException as exc:  # gave up: release this process's waiting thread (the keys read as given up)
+        except BaseException as exc:  # gave up: the missing keys are set to read as given up (for later arrivals)
             if not isinstance(exc, CollectiveTimeoutError):
                 self.abandon(f"process {self.rank} stopped waiting at step '{step}' ({_describe(exc)})")
             try:
-                waiting.release(_GIVEN_UP, period)
-            except Exception:  # the store is gone: so is the thread's connection
+                waiting.release(_GIVEN_UP)
+            except Exception:  # the store is gone: the others find out by themselves
                 pass
             raise
 
