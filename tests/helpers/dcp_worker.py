@@ -12,6 +12,9 @@ MODE ``save`` (2 ranks):
      same when only rank 1's template is wrong (fastckpt.dcp.LoadPlanner checks while planning).
   S: ``fastckpt.dcp.save`` of the state sharded along dim 0 to ``$FASTCKPT_TEST_S3_URL`` (the test's moto server:
      every rank uploads its shard, the coordinator commits the manifest object); reload on 2 ranks along dim 1.
+  O: its sharded tensors alone, saved along dim 0 to ``$FASTCKPT_TEST_S3_URL-own``: reloaded along dim 0 each rank
+     fetches its own object only, along dim 1 both; then rank 0 flips a byte of rank 1's object: a load raises
+     IntegrityError on both ranks (rank 1 finds it while planning) and fills nothing on either.
 MODE ``load`` (any world size): ``OUT/A`` into DTensors along dim 0 and along dim 1.
 MODE ``kill`` (2 ranks): ``OUT/K`` holds seed 1; during the re-save of seed 2 rank 1 is SIGKILLed right after it
   wrote its file (torchrun then stops rank 0, which waits in DCP's gather): the test checks the folder afterwards.
@@ -39,7 +42,7 @@ import fastckpt.dcp
 import fastckpt.dcp.writer as writer_module
 from fastckpt import _core
 from fastckpt._io.staging import leftovers
-from helpers.dcp_state import as_dtensors, full_state, mismatches, template
+from helpers.dcp_state import SHARDED, as_dtensors, full_state, mismatches, template
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 checks: dict[str, object] = {}
@@ -50,6 +53,34 @@ def reload(folder: Path, mesh, dim: int, seed: int = 0, **kw) -> list[str]:
     target = as_dtensors(template(state), mesh, dim, zero=True)
     fastckpt.dcp.load(target, folder, **kw)
     return mismatches(state, target, world=mesh.size(), rank=mesh.get_local_rank(), dim=dim)
+
+
+def reload_fetched(url: str, state: dict, mesh, dim: int) -> tuple[list[str], list[str]]:
+    """Load ``url`` into ``state``'s template sharded along ``dim``; (mismatches, objects this rank fetched)."""
+    target = as_dtensors(template(state), mesh, dim, zero=True)
+    reader = fastckpt.dcp.StorageReader(url)
+    dcp.load(target, storage_reader=reader)
+    return mismatches(state, target, world=mesh.size(), rank=mesh.get_local_rank(), dim=dim), reader.fetched
+
+
+def damaged_object(url: str, state: dict, mesh, rank: int) -> None:
+    from helpers.s3_server import BUCKET, client, key_prefix, keys
+
+    dist.barrier()
+    if rank == 0:  # the last byte of rank 1's object: tensor data, the size unchanged
+        key = next(k for k in keys(key_prefix(url) + "/") if k.endswith("/shard-00001-of-00002.safetensors"))
+        data = bytearray(client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        data[-1] ^= 0x01
+        client().put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    dist.barrier()
+    target = as_dtensors(template(state), mesh, 0, zero=True)
+    try:
+        dcp.load(target, storage_reader=fastckpt.dcp.StorageReader(url))
+        checks["O_damaged"] = "no error"
+    except CheckpointException as exc:
+        inner = fastckpt.dcp.original_error(exc)
+        checks["O_damaged"] = f"{type(inner).__name__}: {inner}"
+    checks["O_damaged_filled"] = sorted(k for k, v in target.items() if v.to_local().reshape(-1).view(torch.uint8).any())
 
 
 def error_of(fn) -> str:
@@ -144,6 +175,11 @@ def main() -> None:
             s3_url = os.environ["FASTCKPT_TEST_S3_URL"]
             fastckpt.dcp.save(as_dtensors(full_state(), mesh, 0), s3_url)
             checks["S_dim1"] = reload(s3_url, mesh, 1)
+            own = {k: v for k, v in full_state().items() if k in SHARDED}
+            fastckpt.dcp.save(as_dtensors(own, mesh, 0), s3_url + "-own")
+            checks["O_dim0"] = reload_fetched(s3_url + "-own", own, mesh, 0)
+            checks["O_dim1"] = reload_fetched(s3_url + "-own", own, mesh, 1)
+            damaged_object(s3_url + "-own", own, mesh, rank)
         elif MODE == "kill":
             fastckpt.dcp.save(as_dtensors(full_state(1), mesh, 0), OUT / "K")
             if rank == 1:

@@ -94,6 +94,22 @@ def test_two_ranks_save_to_s3_and_reload_in_another_placement_and_in_one_process
     assert fastckpt.verify_checkpoint(S3_URL).ok
 
 
+def test_each_rank_fetches_only_the_objects_its_boxes_come_from(run):
+    """Reloaded in the saved placement, rank r reads shard r's object alone; in another placement both."""
+    _, saved, _, _ = run
+    meta, own = "dcp_metadata.json", "shard-{:05d}-of-00002.safetensors"
+    assert [r["O_dim0"] for r in saved] == [[[], [meta, own.format(r)]] for r in range(2)]
+    assert [r["O_dim1"] for r in saved] == [[[], [meta, own.format(0), own.format(1)]]] * 2
+
+
+def test_a_damaged_object_one_rank_reads_is_refused_on_every_rank_before_any_reads(run):
+    _, saved, _, _ = run
+    for r in saved:
+        assert r["O_damaged"].startswith("IntegrityError: "), r["O_damaged"]
+        assert "shard-00001-of-00002.safetensors: crc32c" in r["O_damaged"], r["O_damaged"]
+        assert r["O_damaged_filled"] == []
+
+
 def test_two_rank_folder_layout(run):
     out, _, _, _ = run
     names = sorted(p.name for p in (out / "A").iterdir())

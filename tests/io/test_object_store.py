@@ -150,8 +150,10 @@ def _watch_fetches(monkeypatch, tmp_path) -> list[dict[str, str]]:
                 for name in files:
                     path = os.path.join(dirpath, name)
                     rel = os.path.relpath(path, root)
-                    if os.path.islink(path):  # /proc/self/fd/N, whose own link names the memfd
+                    if os.path.islink(path) and os.readlink(path).startswith("/proc/self/fd/"):  # names the memfd
                         found[rel] = "memfd" if os.readlink(os.readlink(path)).startswith("/memfd:") else "link"
+                    elif os.path.islink(path):  # to a file of the space's temp folder (counted there)
+                        assert os.path.realpath(path).startswith(str(space.disk)), path
                     else:
                         found[rel] = "file"
         if space.roots:

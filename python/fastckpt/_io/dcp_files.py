@@ -43,13 +43,15 @@ def read_dcp_metadata(folder: Path) -> ParsedMetadata:
     return parse_metadata(text, str(path))
 
 
-def open_chunk_files(folder: Path, parsed: ParsedMetadata, *,
-                     records: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def open_chunk_files(folder: Path, parsed: ParsedMetadata, *, records: dict[str, Any] | None = None,
+                     only: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Open every file the metadata names and check each chunk against its header; nothing is read yet.
 
     Args:
         records: the files' checksums as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``,
             a sharded save hands its part's down); None: read ``folder/fastckpt.json`` when there is one.
+        only: open and check these files alone (the ones a rank reads from; None: every file): a reader that
+            fetched only those from object storage, whose listing was checked against its manifest already.
 
     Returns:
         ``({file name: _core.SafetensorsFile}, records)``: ``records`` as given or as read (``{}`` without a
@@ -61,18 +63,19 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata, *,
             than the metadata records (names the file, the tensor and both values).
         IntegrityError: a file has another size than the manifest records (when the folder has one).
     """
-    for (fqn, _offsets), loc in parsed.chunks.items():
+    chunks = {key: loc for key, loc in parsed.chunks.items() if only is None or loc.file in only}
+    for (fqn, _offsets), loc in chunks.items():
         if not (folder / loc.file).exists():
             raise MissingStateError(f"{folder / loc.file}: holds chunks of {fqn!r} per {METADATA_FILE} but is missing")
     if records is None:
         records = read_manifest(folder).get("files", {}) if (folder / MANIFEST).is_file() else {}
     for name, info in records.items():
-        if name != METADATA_FILE and name in {loc.file for loc in parsed.chunks.values()}:
+        if name != METADATA_FILE and name in {loc.file for loc in chunks.values()}:
             size = (folder / name).stat().st_size
             if isinstance(info, dict) and info.get("bytes") != size:
                 raise IntegrityError(f"{folder / name}: {size} bytes on disk, {info.get('bytes')} recorded in {MANIFEST}")
     files: dict[str, Any] = {}
-    for (fqn, _offsets), loc in parsed.chunks.items():
+    for (fqn, _offsets), loc in chunks.items():
         if loc.file not in files:
             path = folder / loc.file
             try:
@@ -86,6 +89,8 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata, *,
         for chunk in getattr(md, "chunks", ()):
             offsets = tuple(int(o) for o in chunk.offsets)
             loc = parsed.chunks[(fqn, offsets)]
+            if loc.file not in files:  # not among ``only``
+                continue
             path = folder / loc.file
             entry = headers[loc.file].get(loc.name)
             if entry is None:

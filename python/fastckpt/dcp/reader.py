@@ -21,7 +21,7 @@ from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
 from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
 from fastckpt._io.location import check_location
-from fastckpt._io.object_commit import fetched_checkpoint
+from fastckpt._io.object_commit import RemoteCheckpoint
 from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.errors import DtypeError, ShapeMismatchError
 
@@ -78,9 +78,12 @@ class StorageReader(_DCPStorageReader):
 
     Args:
         path: the folder (``dcp_metadata.json`` in it), or an ``s3://bucket/prefix`` an s3 save committed: each
-            rank then first reads the committed checkpoint into memory (one in-memory file per object, filled by
-            ranged parallel reads; nothing written to local disk), every object checked against the manifest
-            object (size, crc32c summed as the bytes come in, whatever ``verify`` says), and reads from there.
+            rank lists the committed save (every object the manifest object names present with its size, nothing
+            else there) and reads ``dcp_metadata.json``; while planning, it reads into memory the objects its own
+            boxes come from, and only those (one in-memory file per object, filled by ranged parallel reads;
+            nothing written to local disk), each checked against the manifest object (crc32c summed as the bytes
+            come in, whatever ``verify`` says): a damaged object fails the planning, on every rank, before any
+            destination is filled. :attr:`fetched` names the objects read.
         threads: reader threads (0 = min(8, cores)).
         verify: check the crc32c of every chunk read (a folder without a manifest records none: nothing to check).
         checksums: the folder's files as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``):
@@ -93,6 +96,7 @@ class StorageReader(_DCPStorageReader):
         super().__init__()
         self.storage_options = storage_options
         self._fetched = contextlib.ExitStack()
+        self._remote: RemoteCheckpoint | None = None
         self._set_path(path, "path")
         self.threads = threads
         self.verify = verify
@@ -116,17 +120,43 @@ class StorageReader(_DCPStorageReader):
         self._fetched.close()
         self.url = remote_url(path, what)
         self.path = Path(path) if self.url is None else Path(str(self.url))
-        self._local: Path | None = None
+        self._remote = None
+
+    @property
+    def fetched(self) -> list[str]:
+        """The objects of an ``s3://`` checkpoint this reader has read (names within the save, in order; ``[]`` for
+        a folder)."""
+        return list(self._remote.fetched) if self._remote is not None else []
 
     def _folder(self) -> Path:
-        """The local folder to read: ``path``, or the s3 checkpoint fetched once (removed when the reader goes)."""
+        """The local folder to read: ``path``, or the folder of the s3 checkpoint's objects fetched so far
+        (``dcp_metadata.json`` first; removed, with their memory, when the reader goes or moves on)."""
         if self.url is None:
             return self.path
-        if self._local is None:
+        if self._remote is None:
             store = open_store(self.url.bucket, self.storage_options)
-            self._local = self._fetched.enter_context(fetched_checkpoint(store, self.url))
+            remote = RemoteCheckpoint(store, self.url)
+            self._fetched.callback(remote.close)
             weakref.finalize(self, self._fetched.close)
-        return self._local
+            self._remote = remote
+            remote.fetch([METADATA_FILE] if METADATA_FILE in remote.names else [])
+        return self._remote.folder
+
+    def _fetch_for(self, items: list[ReadItem]) -> None:
+        """s3: read the objects holding the chunks ``items`` read from (those not read yet), then open and check
+        their headers against the metadata."""
+        assert self._parsed is not None and self._remote is not None
+        needed = {self._parsed.chunks[(item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))
+                                      ].file for item in items if item.type != LoadItemType.BYTE_IO}
+        if needed - self._files.keys():
+            self._remote.fetch(needed)
+            records = self._checksums  # the listing matched the manifest's sizes already: its records as they are
+            if records is None:
+                records = self._remote.manifest["manifest"].get("files", {})
+                records = records if isinstance(records, dict) else {}  # each object was checked whole anyway
+            files, self._records = open_chunk_files(self._folder(), self._parsed, records=records,
+                                                    only=needed | self._files.keys())
+            self._files = files
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP would fall back to rank-local metadata
         """The folder's metadata, parsed once per version of ``dcp_metadata.json`` (a second call, as ``dcp.load``
@@ -146,9 +176,16 @@ class StorageReader(_DCPStorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._parsed is None or self._parsed.metadata is not metadata:
             self._parsed = read_dcp_metadata(self._folder())
-        self._files, self._records = open_chunk_files(self._folder(), self._parsed, records=self._checksums)
+        if self.url is None:
+            self._files, self._records = open_chunk_files(self._folder(), self._parsed, records=self._checksums)
+        else:  # the objects this rank reads are fetched once its plan is known (prepare_local_plan)
+            self._files = {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # s3: this rank's objects are read (and checked) now, inside DCP's planning round: a failure on any rank
+        # reaches every rank before any of them reads into a destination
+        if self.url is not None:
+            self._fetch_for(plan.items)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -167,6 +204,8 @@ class StorageReader(_DCPStorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._parsed is not None
+        if self.url is not None:  # a planner that changed the plan after planning: its objects are read here
+            self._fetch_for(plan.items)
         parsed = self._parsed
         tensor_items = []
         for item in plan.items:
