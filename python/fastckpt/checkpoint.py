@@ -278,7 +278,10 @@ def save_state(
     ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first written to a
     private local folder, then uploaded) and commits by creating ``prefix/manifests/{n}.json`` last with a
     conditional put; older saves' objects are deleted only after that (see
-    :mod:`fastckpt._io.object_commit`). Not with ``async_save``, ``share_unchanged`` or sharded models yet.
+    :mod:`fastckpt._io.object_commit`). With ``async_save`` (any mode) the state is copied into the host buffer
+    pool at the call (a snapshot: the call costs about one memcpy of the state, CUDA tensors included) and uploaded
+    from that copy on the writer thread; ``wait()`` returns the URL once the manifest object exists. Not with
+    ``share_unchanged`` or sharded models yet.
 
     Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
     arguments; the shards are written through torch.distributed.checkpoint into the checkpoint's staging folder
@@ -322,9 +325,11 @@ def save_state(
                             storage_options=storage_options)
     remote, project = remote_target(output_dir, project_dir, "output_dir")
     if remote is not None or project is not None:
-        if async_save or share_unchanged or is_sharded(_as_list(model, "model")):
-            raise ValueError("async_save, share_unchanged and sharded (DTensor / FSDP2) models are not supported "
-                             "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
+        if share_unchanged or is_sharded(_as_list(model, "model")):
+            raise ValueError("share_unchanged and sharded (DTensor / FSDP2) models are not supported with s3:// yet; "
+                             "save locally, or pass share_unchanged=False")
+        check_mode(async_save)
+        finish_pending(wait=False)  # an earlier async save's failure is raised here, once
         _check_save_args(model, threads, step, total_limit)
         plan = build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                _as_list(scheduler, "scheduler"), model_only=model_only, step=step,
@@ -336,6 +341,14 @@ def save_state(
                        threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
                        trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
 
+        if async_save:  # a snapshot into the host buffer pool at the call; the upload runs on the writer thread
+            def upload(snapshot: Any, _target: Path, before_commit: Any = None, **_: Any) -> str:
+                return save_remote(remote, project, write_local, plan=snapshot, threads=threads, model_only=model_only,
+                                   total_limit=total_limit, storage_options=storage_options,
+                                   before_commit=before_commit)
+
+            return start_async(plan, [], Path(str(remote if remote is not None else project)), async_save,
+                               write=upload, budget=host_memory_budget, snapshot_only="over s3://")
         return save_remote(remote, project, write_local, plan=None if has_device_tensors(plan) else plan, threads=threads,
                            model_only=model_only, total_limit=total_limit, storage_options=storage_options)
     check_mode(async_save)
@@ -495,6 +508,7 @@ def load_state(
     if remote is not None or project is not None:
         if is_sharded(_as_list(model, "model")):
             raise ValueError("sharded (DTensor / FSDP2) models do not load from s3:// yet; load into the plain model")
+        wait_for_saves_to(Path(str(remote if remote is not None else project)))  # async saves to it, in flight
         with fetched(remote, project, model_only=model_only, storage_options=storage_options) as folder:
             # every object's crc32c was checked as it came in (verify=False skips only those sums): not summed again
             return load_state(model, optimizer, scheduler, input_dir=folder, model_only=model_only, strict=strict,

@@ -11,6 +11,8 @@ or raises (and commits nothing), within the limit stated for ``"stream"``.
   writes that bypass torch's version counters (``p.data``, ``.numpy()`` views, raw pointers), made after the call
   and before the tensor is written, are not detected and end up in the checkpoint.
 - ``"snapshot"``: the whole state is copied into the host buffer pool at the call (:mod:`fastckpt._io.async_writer`).
+
+Over ``s3://`` every mode is a snapshot: the upload (minutes, on a slow link) then reads only the copy.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _plan_bytes(plan: SavePlan) -> int:
 
 def start_async(plan: SavePlan, optimizers: list[Any], target: Path, mode: bool | str, *,
                 write: Callable[..., Any], budget: int | str | None = None, auto_named: bool = False,
-                after: Callable[[], Any] | None = None) -> Any:
+                after: Callable[[], Any] | None = None, snapshot_only: str | None = None) -> Any:
     """Start the async save of ``plan`` in ``mode`` (``True``, ``"stream"`` or ``"snapshot"``); returns its
     :class:`~fastckpt._io.async_writer.AsyncSave`.
 
@@ -52,6 +54,8 @@ def start_async(plan: SavePlan, optimizers: list[Any], target: Path, mode: bool 
             tensors (a snapshot) a budget below the state's bytes is refused.
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
         after: run on the writer thread after a successful commit (rotation).
+        snapshot_only: every mode is a snapshot, for this reason (e.g. ``"over s3://"``: the writer uploads from
+            the copy); a budget below the state's bytes is refused, as for CUDA tensors with ``True``.
 
     Raises:
         ValueError: a budget ``True`` cannot keep on CUDA; what the chosen machinery raises before copying.
@@ -60,7 +64,14 @@ def start_async(plan: SavePlan, optimizers: list[Any], target: Path, mode: bool 
     from fastckpt._io.async_writer import submit
     from fastckpt._io.snapshot import has_device_tensors
 
-    if mode is True and has_device_tensors(plan):
+    if snapshot_only is not None:
+        limit, need = parse_budget(budget), _plan_bytes(plan)
+        if limit is not None and limit < need:
+            raise ValueError(f"host_memory_budget of {limit:,} bytes is below the {need:,} bytes an async save "
+                             f"{snapshot_only} copies at the call (every async mode is a snapshot there); raise "
+                             "the budget, or save with async_save=False")
+        mode = "snapshot"
+    elif mode is True and has_device_tensors(plan):
         limit, need = parse_budget(budget), _plan_bytes(plan)
         if limit is not None and limit < need:
             raise ValueError(

@@ -75,14 +75,14 @@ class AsyncSave:
         """True once the save is committed or has failed (never blocks)."""
         return self._future.done()
 
-    def wait(self, timeout: float | None = None) -> Path:
+    def wait(self, timeout: float | None = None) -> Path | str:
         """Block until the checkpoint is committed (durable when saved with ``durable=True``).
 
         Args:
             timeout: seconds to wait; None waits as long as it takes.
 
         Returns:
-            The committed checkpoint folder.
+            The committed checkpoint folder (for an ``s3://`` save, its URL as a ``str``).
 
         Raises:
             TimeoutError: not finished within ``timeout`` seconds (the save goes on).
@@ -195,7 +195,8 @@ class AsyncSaver:
         """Saves in flight whose checkpoint is ``folder`` or lies inside it (an automatic-naming root)."""
         folder = Path(folder).absolute()
         with self._lock:
-            return [h for h in self._pending if not h.done() and (h.path == folder or folder in h.path.parents)]
+            return [h for h in self._pending if not h.done()
+                    and (h.path.absolute() == folder or folder in h.path.absolute().parents)]  # s3: Path(url)
 
     def release_buffers(self) -> int:
         """Free the host buffers of every idle pool slot; returns the bytes freed."""
@@ -268,7 +269,7 @@ class AsyncSaver:
                     result = write(snapshot.plan, target, before_commit=token.before_commit())
                 if after is not None:
                     after()
-                return result if isinstance(result, Path) else target
+                return result if isinstance(result, (Path, str)) else target
             finally:
                 self.pool.release(snapshot.slot)
 

@@ -48,11 +48,13 @@ def remote_target(folder: Any, project_dir: Any, folder_arg: str) -> tuple[Objec
 
 def save_remote(url: ObjectUrl | None, project: ObjectUrl | None, write: Callable[[Path], Any], *,
                 model_only: bool, total_limit: int | None, storage_options: Mapping[str, Any] | None,
-                plan: SavePlan | None = None, threads: int = 0) -> str:
+                plan: SavePlan | None = None, threads: int = 0,
+                before_commit: Callable[[], Any] | None = None) -> str:
     """Save to ``url`` (or the next ``checkpoint_n`` of ``project``) and commit there: ``plan`` uploaded straight
     from its tensors' memory when given (:func:`fastckpt._io.object_commit.save_plan_objects`), else the folder
     ``write(local_folder)`` writes, uploaded; then rotate the project's checkpoints of that kind to ``total_limit``.
-    Returns the URL."""
+    ``before_commit`` (with ``plan``): called right before the manifest object is created; what it raises commits
+    nothing. Returns the URL."""
     target = url if url is not None else project
     assert target is not None
     store = open_store(target.bucket, storage_options)
@@ -62,8 +64,9 @@ def save_remote(url: ObjectUrl | None, project: ObjectUrl | None, write: Callabl
         url = next_object_checkpoint(store, project, model_only=model_only)
     assert url is not None
     if plan is not None:
-        save_plan_objects(store, url, plan, threads=threads)
+        save_plan_objects(store, url, plan, threads=threads, before_commit=before_commit)
     else:
+        assert before_commit is None
         save_object_checkpoint(store, url, write)
     if auto and total_limit is not None:
         assert project is not None

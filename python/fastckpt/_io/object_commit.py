@@ -207,10 +207,15 @@ def upload_texts(store: Any, url: ObjectUrl, save_id: str, texts: dict[str, byte
     return {name: {"bytes": len(data), "crc32c": _crc_hex(_core.crc32c(data))} for name, data in texts.items()}
 
 
-def save_plan_objects(store: Any, url: ObjectUrl, plan: SavePlan, *, threads: int = 0) -> None:
+def save_plan_objects(store: Any, url: ObjectUrl, plan: SavePlan, *, threads: int = 0,
+                      before_commit: Callable[[], Any] | None = None) -> None:
     """Save ``plan`` (its tensors all in CPU memory) to ``url`` without a local copy: every safetensors file
     uploaded straight from the tensors (:func:`upload_tensor_objects`), the small files put, then the manifest
     object created last, holding the same manifest a local save of the plan writes.
+
+    Args:
+        before_commit: called once every object is uploaded, right before the manifest is created (an async
+            save's cancel check); what it raises commits nothing (this save's objects are removed).
 
     Raises:
         ConcurrentSaveError, OSError: see :func:`save_object_checkpoint`; nothing is committed and the previous
@@ -229,6 +234,12 @@ def save_plan_objects(store: Any, url: ObjectUrl, plan: SavePlan, *, threads: in
     files = {name: entry["bytes"] for name, entry in entries.items()}
     checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in entries.items()}
     manifest = manifest_dict(plan.mode, files, dict(plan.counts), plan.step, checksums=checksums)
+    if before_commit is not None:
+        try:
+            before_commit()
+        except BaseException:
+            _remove_quietly(store, url, save_id)
+            raise
     commit_save(store, url, number, save_id, objects, manifest)
 
 
