@@ -234,3 +234,122 @@ fn tensors_summed_as_read_are_not_read_again_and_still_enter_the_file_crc() {
     let err = f.verify(&e, 2, 4096).unwrap_err();
     assert!(err.to_string().contains("outside every tensor"), "{err}");
 }
+
+/// A file of one `u8` tensor "big" of `len` bytes (a pattern); returns its path and (file crc, tensor crc).
+fn written_big(dir: &Path, len: usize) -> (PathBuf, (u32, u32)) {
+    let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+    let path = dir.join("big.safetensors");
+    let sources = vec![TensorSource {
+        name: "big".into(),
+        dtype: Dtype::U8,
+        shape: vec![len as u64],
+        data: &data[..],
+        byte_offset: 0,
+        byte_strides: None,
+        convert_to: None,
+    }];
+    write_file(&path, sources, None, &WriteOptions::default()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    (path, (crc32c::crc32c(&bytes), crc32c::crc32c(&data)))
+}
+
+#[test]
+fn a_damaged_byte_past_the_first_piece_or_at_the_end_of_the_file_is_named() {
+    // 3 PIECEs + 5 bytes: a job of several pieces, the last one short, the tensor ending the file
+    let len = 3 * PIECE + 5;
+    for at in [2 * PIECE as u64 + 1, len as u64 - 1] {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, (file, crc)) = written_big(dir.path(), len);
+        let f = SafetensorsFile::open(&path).unwrap();
+        let got = f
+            .verify(&expected(Some(file), &[("big", crc)]), 2, 8 << 20)
+            .unwrap();
+        assert_eq!(got.bytes, f.file_size());
+        assert_eq!(f.data_start() + len as u64, f.file_size());
+        flip(&path, f.data_start() + at);
+        let f = SafetensorsFile::open(&path).unwrap();
+        for chunk in [4096, PIECE as u64 + 3, 8 << 20] {
+            let e = f
+                .verify(&expected(Some(file), &[("big", crc)]), 2, chunk)
+                .unwrap_err();
+            assert_eq!(e.kind(), "Integrity");
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!(
+                    "big.safetensors: tensor \"big\": crc32c {:08x} read, {crc:08x} recorded in fastckpt.json \
+                     (the file is damaged)",
+                    {
+                        let mut data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+                        data[at as usize] ^= 1;
+                        crc32c::crc32c(&data)
+                    }
+                )),
+                "{msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_file_that_shrank_after_open_is_truncated_naming_the_tensor_not_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, (file, crc)) = written_big(dir.path(), 2 * PIECE + 7);
+    let f = SafetensorsFile::open(&path).unwrap();
+    // truncated in place under the open (and mapped) file: the sum reads by pread, so this is an error, not a
+    // SIGBUS
+    let cut = f.data_start() + PIECE as u64 + 100;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    for chunk in [4096, 8 << 20] {
+        let e = f
+            .verify(&expected(Some(file), &[("big", crc)]), 2, chunk)
+            .unwrap_err();
+        assert_eq!(e.kind(), "Truncated");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("big.safetensors: truncated safetensors file: tensor \"big\" needs"),
+            "{msg}"
+        );
+        assert!(msg.ends_with(&format!("found {cut}")), "{msg}");
+    }
+}
+
+#[test]
+fn a_file_of_no_tensors_and_a_one_byte_tensor_are_summed_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("empty.safetensors");
+    write_file(&path, Vec::new(), None, &WriteOptions::default()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let f = SafetensorsFile::open(&path).unwrap();
+    let got = f
+        .verify(&expected(Some(crc32c::crc32c(&bytes)), &[]), 2, 1)
+        .unwrap();
+    assert_eq!(
+        got,
+        Verified {
+            bytes: bytes.len() as u64,
+            tensors: 0
+        }
+    );
+    let e = f
+        .verify(&expected(Some(crc32c::crc32c(&bytes) ^ 1), &[]), 2, 1)
+        .unwrap_err();
+    assert!(e.to_string().contains("the header or its padding"), "{e}");
+
+    let (path, (file, crc)) = written_big(dir.path(), 1);
+    let f = SafetensorsFile::open(&path).unwrap();
+    let got = f
+        .verify(&expected(Some(file), &[("big", crc)]), 2, 1)
+        .unwrap();
+    assert_eq!((got.bytes, got.tensors), (f.file_size(), 1));
+    flip(&path, f.file_size() - 1);
+    let f = SafetensorsFile::open(&path).unwrap();
+    let e = f
+        .verify(&expected(Some(file), &[("big", crc)]), 2, 1)
+        .unwrap_err();
+    assert!(e.to_string().contains("tensor \"big\": crc32c"), "{e}");
+}
