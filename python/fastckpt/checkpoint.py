@@ -35,7 +35,7 @@ from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.sharded import is_sharded
-from fastckpt.checkpoint_sharded import load_sharded_state, save_sharded_state
+from fastckpt.checkpoint_sharded import load_sharded_remote, load_sharded_state, save_sharded_state
 from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
@@ -322,10 +322,16 @@ def save_state(
                             storage_options=storage_options)
     remote, project = remote_target(output_dir, project_dir, "output_dir")
     if remote is not None or project is not None:
-        if async_save or share_unchanged or is_sharded(_as_list(model, "model")):
-            raise ValueError("async_save, share_unchanged and sharded (DTensor / FSDP2) models are not supported "
-                             "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
+        if async_save or share_unchanged:
+            raise ValueError("async_save and share_unchanged are not supported with s3:// yet; save locally, or "
+                             "pass async_save=False / share_unchanged=False")
         _check_save_args(model, threads, step, total_limit)
+        if is_sharded(_as_list(model, "model")):
+            return _save_sharded(model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
+                                 project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
+                                 threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                                 trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                                 timeout=timeout, storage_options=storage_options)
         plan = build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                _as_list(scheduler, "scheduler"), model_only=model_only, step=step,
                                max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
@@ -348,14 +354,11 @@ def save_state(
     if share_unchanged and compat is not None:
         raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
     if is_sharded(models):
-        if trainable_only or dtype is not None or share_unchanged:
-            raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
-                             "models yet; save the full sharded state, then `fastckpt consolidate` it")
-        return save_sharded_state(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                                  output_dir=output_dir, model_only=model_only, project_dir=project_dir,
-                                  total_limit=total_limit, step=step, durable=durable, threads=threads,
-                                  max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                                  timeout=timeout)
+        return _save_sharded(models, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
+                             project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
+                             threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                             timeout=timeout, storage_options=None)
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
                            model_only=model_only, step=step,
                            max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
@@ -388,6 +391,15 @@ def save_state(
     return target.absolute()
 
 
+def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, trainable_only: bool, dtype: Any,
+                  share_unchanged: bool, timeout: Any, **kwargs: Any) -> Path | str:
+    if trainable_only or dtype is not None or share_unchanged:
+        raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
+                         "models yet; save the full sharded state, then `fastckpt consolidate` it")
+    return save_sharded_state(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
+                              _as_list(scheduler, "scheduler"), timeout=check_timeout(timeout), **kwargs)
+
+
 def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any, project_dir: Any,
                  storage_options: Mapping[str, Any] | None, model_only: bool, total_limit: int | None,
                  **kwargs: Any) -> TieredSave:
@@ -398,7 +410,9 @@ def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, out
     if local is not None or project is not None:
         raise ValueError("with remote=, output_dir / project_dir are the local tier: pass local folders")
     if is_sharded(_as_list(model, "model")):
-        raise ValueError("sharded (DTensor / FSDP2) models do not save to s3:// yet; save locally")
+        raise ValueError("a tiered save of sharded (DTensor / FSDP2) models is not supported (the local tier would "
+                         "need a folder every process shares); save to output_dir='s3://...' directly: every "
+                         "process uploads its own shards")
     finish_tiered()
     saved = save_state(model, optimizer, scheduler, output_dir=output_dir, project_dir=project_dir,
                        model_only=model_only, total_limit=total_limit, **kwargs)
@@ -494,7 +508,11 @@ def load_state(
     remote, project = remote_target(input_dir, project_dir, "input_dir")
     if remote is not None or project is not None:
         if is_sharded(_as_list(model, "model")):
-            raise ValueError("sharded (DTensor / FSDP2) models do not load from s3:// yet; load into the plain model")
+            _check_common(threads)
+            return LoadResult(*load_sharded_remote(
+                remote, project, _as_list(model, "model"), _as_list(optimizer, "optimizer"),
+                _as_list(scheduler, "scheduler"), model_only=model_only, strict=strict, threads=threads,
+                timeout=check_timeout(timeout), storage_options=storage_options))
         with fetched(remote, project, model_only=model_only, storage_options=storage_options) as folder:
             # every object's crc32c was checked as it came in (verify=False skips only those sums): not summed again
             return load_state(model, optimizer, scheduler, input_dir=folder, model_only=model_only, strict=strict,
