@@ -278,12 +278,18 @@ def save_state(
     ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first written to a
     private local folder, then uploaded) and commits by creating ``prefix/manifests/{n}.json`` last with a
     conditional put; older saves' objects are deleted only after that (see
-    :mod:`fastckpt._io.object_commit`). Not with ``async_save``, ``share_unchanged`` or sharded models yet.
+    :mod:`fastckpt._io.object_commit`). Not with ``async_save`` or ``share_unchanged`` yet.
 
     Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
     arguments; the shards are written through torch.distributed.checkpoint into the checkpoint's staging folder
     beside the scheduler/optimizer JSON, one RNG file per process and the manifest, committed once (see
-    :mod:`fastckpt._plan.sharded_save`). ``max_shard_size``, ``compat`` and ``async_save`` do not apply to them.
+    :mod:`fastckpt._plan.sharded_save`). ``max_shard_size`` (but for ``model_only``), ``compat``, ``async_save``
+    and ``remote`` do not apply to them. To ``s3://`` no disk is shared: every process uploads its own shards
+    straight from memory under the save's prefix and the main process uploads the small files and commits the
+    manifest object (the same manifest as a local sharded save); a failure on any process commits nothing and
+    raises on every process. A ``model_only`` save to ``s3://`` gathers each model's full state dict into the main
+    process's CPU memory (one all-gather per tensor, on the model's process group, without ``timeout``) and
+    uploads what a one-process model-only save uploads.
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
@@ -480,7 +486,9 @@ def load_state(
             it does not list is refused), read into memory by ranged parallel reads (nothing is written to local
             disk) with its crc32c summed as the bytes come in and checked (IntegrityError naming the object and
             tensor; always, whatever ``verify`` says), then loaded as a local folder: nothing live changes before
-            every object checked.
+            every object checked. Sharded models: the main process picks the committed save, every process reads
+            all of that save's objects (CheckpointChangedError if another save was committed meanwhile), every
+            process agrees (a damaged object raises on every process), then the sharded load runs on it.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
