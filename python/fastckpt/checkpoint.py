@@ -35,7 +35,7 @@ from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.sharded import is_sharded
-from fastckpt.checkpoint_sharded import load_sharded_state, save_sharded_state
+from fastckpt.checkpoint_sharded import load_sharded_remote, load_sharded_state, save_sharded_state
 from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
@@ -280,13 +280,19 @@ def save_state(
     conditional put; older saves' objects are deleted only after that (see
     :mod:`fastckpt._io.object_commit`). With ``async_save`` (any mode) the state is copied into the host buffer
     pool at the call (a snapshot: the call costs about one memcpy of the state, CUDA tensors included) and uploaded
-    from that copy on the writer thread; ``wait()`` returns the URL once the manifest object exists. Not with
-    ``share_unchanged`` or sharded models yet.
+    from that copy on the writer thread; ``wait()`` returns the URL once the manifest object exists (not for
+    sharded models yet). Not with ``share_unchanged`` yet.
 
     Sharded models (FSDP2 ``fully_shard``, any DTensor parameter): every process calls ``save_state`` with the same
     arguments; the shards are written through torch.distributed.checkpoint into the checkpoint's staging folder
     beside the scheduler/optimizer JSON, one RNG file per process and the manifest, committed once (see
-    :mod:`fastckpt._plan.sharded_save`). ``max_shard_size``, ``compat`` and ``async_save`` do not apply to them.
+    :mod:`fastckpt._plan.sharded_save`). ``max_shard_size`` (but for ``model_only``), ``compat``, ``async_save``
+    and ``remote`` do not apply to them. To ``s3://`` no disk is shared: every process uploads its own shards
+    straight from memory under the save's prefix and the main process uploads the small files and commits the
+    manifest object (the same manifest as a local sharded save); a failure on any process commits nothing and
+    raises on every process. A ``model_only`` save to ``s3://`` gathers each model's full state dict into the main
+    process's CPU memory (one all-gather per tensor, on the model's process group, without ``timeout``) and
+    uploads what a one-process model-only save uploads.
 
     Returns:
         The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
@@ -325,12 +331,18 @@ def save_state(
                             storage_options=storage_options)
     remote, project = remote_target(output_dir, project_dir, "output_dir")
     if remote is not None or project is not None:
-        if share_unchanged or is_sharded(_as_list(model, "model")):
-            raise ValueError("share_unchanged and sharded (DTensor / FSDP2) models are not supported with s3:// yet; "
-                             "save locally, or pass share_unchanged=False")
+        if share_unchanged or (async_save and is_sharded(_as_list(model, "model"))):
+            raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not supported "
+                             "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
         check_mode(async_save)
         finish_pending(wait=False)  # an earlier async save's failure is raised here, once
         _check_save_args(model, threads, step, total_limit)
+        if is_sharded(_as_list(model, "model")):
+            return _save_sharded(model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
+                                 project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
+                                 threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                                 trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                                 timeout=timeout, storage_options=storage_options)
         plan = build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                _as_list(scheduler, "scheduler"), model_only=model_only, step=step,
                                max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
@@ -361,14 +373,11 @@ def save_state(
     if share_unchanged and compat is not None:
         raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
     if is_sharded(models):
-        if trainable_only or dtype is not None or share_unchanged:
-            raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
-                             "models yet; save the full sharded state, then `fastckpt consolidate` it")
-        return save_sharded_state(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                                  output_dir=output_dir, model_only=model_only, project_dir=project_dir,
-                                  total_limit=total_limit, step=step, durable=durable, threads=threads,
-                                  max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                                  timeout=timeout)
+        return _save_sharded(models, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
+                             project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
+                             threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                             timeout=timeout, storage_options=None)
     plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
                            model_only=model_only, step=step,
                            max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
@@ -401,6 +410,15 @@ def save_state(
     return target.absolute()
 
 
+def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, trainable_only: bool, dtype: Any,
+                  share_unchanged: bool, timeout: Any, **kwargs: Any) -> Path | str:
+    if trainable_only or dtype is not None or share_unchanged:
+        raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
+                         "models yet; save the full sharded state, then `fastckpt consolidate` it")
+    return save_sharded_state(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
+                              _as_list(scheduler, "scheduler"), timeout=check_timeout(timeout), **kwargs)
+
+
 def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any, project_dir: Any,
                  storage_options: Mapping[str, Any] | None, model_only: bool, total_limit: int | None,
                  **kwargs: Any) -> TieredSave:
@@ -411,7 +429,9 @@ def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, out
     if local is not None or project is not None:
         raise ValueError("with remote=, output_dir / project_dir are the local tier: pass local folders")
     if is_sharded(_as_list(model, "model")):
-        raise ValueError("sharded (DTensor / FSDP2) models do not save to s3:// yet; save locally")
+        raise ValueError("a tiered save of sharded (DTensor / FSDP2) models is not supported (the local tier would "
+                         "need a folder every process shares); save to output_dir='s3://...' directly: every "
+                         "process uploads its own shards")
     finish_tiered()
     saved = save_state(model, optimizer, scheduler, output_dir=output_dir, project_dir=project_dir,
                        model_only=model_only, total_limit=total_limit, **kwargs)
@@ -479,7 +499,9 @@ def load_state(
             it does not list is refused), read into memory by ranged parallel reads (nothing is written to local
             disk) with its crc32c summed as the bytes come in and checked (IntegrityError naming the object and
             tensor; always, whatever ``verify`` says), then loaded as a local folder: nothing live changes before
-            every object checked.
+            every object checked. Sharded models: the main process picks the committed save, every process reads
+            all of that save's objects (CheckpointChangedError if another save was committed meanwhile), every
+            process agrees (a damaged object raises on every process), then the sharded load runs on it.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
@@ -507,7 +529,11 @@ def load_state(
     remote, project = remote_target(input_dir, project_dir, "input_dir")
     if remote is not None or project is not None:
         if is_sharded(_as_list(model, "model")):
-            raise ValueError("sharded (DTensor / FSDP2) models do not load from s3:// yet; load into the plain model")
+            _check_common(threads)
+            return LoadResult(*load_sharded_remote(
+                remote, project, _as_list(model, "model"), _as_list(optimizer, "optimizer"),
+                _as_list(scheduler, "scheduler"), model_only=model_only, strict=strict, threads=threads,
+                timeout=check_timeout(timeout), storage_options=storage_options))
         wait_for_saves_to(Path(str(remote if remote is not None else project)))  # async saves to it, in flight
         with fetched(remote, project, model_only=model_only, storage_options=storage_options) as folder:
             # every object's crc32c was checked as it came in (verify=False skips only those sums): not summed again

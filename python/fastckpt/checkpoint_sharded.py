@@ -1,30 +1,41 @@
 """Sharded (DTensor / FSDP2) states in :func:`fastckpt.save_state` / :func:`fastckpt.load_state`: written and read
 through torch.distributed.checkpoint with fastckpt's storage plugin (:mod:`fastckpt.dcp`), one part folder per
 model / optimizer inside the checkpoint (see :mod:`fastckpt._plan.sharded_save`, :mod:`fastckpt._plan.sharded_load`);
-a model-only save is a Hugging Face folder every world size loads.
+a model-only save is a Hugging Face folder every world size loads. An ``s3://`` checkpoint is written by every rank
+straight to object storage and committed by the main process (see :mod:`fastckpt._plan.sharded_save`), and read by
+every rank from the one save the main process picked (:func:`load_sharded_remote`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fastckpt._io.distributed import Session, process_rank
 from fastckpt._io.folder import pinned
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.object_api import fetched, pick_remote, remote_target
+from fastckpt._io.object_sharded import ObjectSave
+from fastckpt._io.object_store import ObjectUrl, parse_url
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 
-__all__ = ["dcp_storage_writer", "dcp_storage_reader", "save_sharded_state", "load_sharded_state"]
+__all__ = ["dcp_storage_writer", "dcp_storage_reader", "save_sharded_state", "load_sharded_state", "load_sharded_remote"]
 
 
-def dcp_storage_writer(folder: Path, durable: bool, threads: int) -> Any:
+def dcp_storage_writer(folder: Path | str, durable: bool, threads: int, *,
+                       storage_options: Mapping[str, Any] | None = None) -> Any:
     """The DCP ``StorageWriter`` a sharded save writes one part with, into ``folder`` inside the staging folder
-    (fastckpt.dcp, ``commit=False``: the save commits the whole checkpoint once)."""
+    (or under the ``s3://`` prefix of the part inside the save; fastckpt.dcp, ``commit=False``: the save commits the
+    whole checkpoint once)."""
     import fastckpt.dcp
 
-    return fastckpt.dcp.StorageWriter(folder, threads=threads, durable=durable, commit=False)
+    return fastckpt.dcp.StorageWriter(folder, threads=threads, durable=durable, commit=False,
+                                      storage_options=dict(storage_options) if storage_options else None)
 
 
 def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *, verify: bool = True,
@@ -38,8 +49,10 @@ def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *,
 
 def save_sharded_state(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,
                        project_dir: Any, total_limit: int | None, step: int, durable: bool, threads: int,
-                       max_shard_size: Any, compat: Any, async_save: bool, timeout: float) -> Path:
-    """Save sharded models (and their optimizers, schedulers) from every rank; returns the committed folder."""
+                       max_shard_size: Any, compat: Any, async_save: bool, timeout: float,
+                       storage_options: Mapping[str, Any] | None = None) -> Path | str:
+    """Save sharded models (and their optimizers, schedulers) from every rank; returns the committed folder (an
+    ``s3://`` ``output_dir`` / ``project_dir``: the checkpoint's URL)."""
     for name, value in (("max_shard_size", None if model_only else max_shard_size), ("compat", compat)):
         if value is not None:
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
@@ -51,6 +64,16 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, outp
     if async_save:
         raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
                          "save with async_save=False")
+    url, project = remote_target(output_dir, project_dir, "output_dir")
+    if url is not None or project is not None:
+        remote = ObjectSave(url, project if url is None else None, model_only=model_only,
+                            storage_options=storage_options)
+        saved = save_sharded(models, optimizers, schedulers, target=remote, model_only=model_only, step=step,
+                             durable=durable, threads=threads, timeout=timeout, max_shard_size=max_shard_size,
+                             writer_factory=functools.partial(dcp_storage_writer, storage_options=storage_options))
+        if url is None and total_limit is not None and process_rank() == 0:
+            remote.rotate(total_limit)
+        return saved
     root = Path(project_dir if project_dir is not None else os.getcwd())
     target = next_checkpoint_dir(root, model_only=model_only) if output_dir is None else Path(output_dir)
     path = save_sharded(models, optimizers, schedulers, target=target.absolute(), model_only=model_only,
@@ -91,6 +114,34 @@ def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers:
                              threads=threads)
     plan.apply()
     return plan.missing_keys, plan.unexpected_keys
+
+
+def load_sharded_remote(url: ObjectUrl | None, project: ObjectUrl | None, models: list, optimizers: list,
+                        schedulers: list, *, model_only: bool, strict: bool, threads: int, timeout: float,
+                        storage_options: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
+    """An ``s3://`` checkpoint into sharded models on every rank: the main process picks the committed save (the
+    checkpoint at ``url``, or the latest under ``project``), every rank reads that save into memory (every object,
+    each crc32c checked) and refuses another one, every rank agrees, then the local sharded load runs on it."""
+    session = Session(f"load_state from {url if url is not None else project}", timeout)
+    chosen, save_id = session.on_main(lambda: _picked(url, project, model_only, storage_options), step="find")
+    with contextlib.ExitStack() as stack:
+        error: BaseException | None = None
+        folder = Path()
+        try:
+            folder = stack.enter_context(fetched(parse_url(chosen, "input_dir"), None, model_only=model_only,
+                                                 storage_options=storage_options, save_id=save_id))
+        except Exception as exc:  # every rank learns of it before anything changes anywhere
+            error = exc
+        session.agree(error, step="fetch")
+        # every object's crc32c was checked as it came in: not summed again
+        return load_sharded_state(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                                  threads=threads, verify=False, timeout=timeout)
+
+
+def _picked(url: ObjectUrl | None, project: ObjectUrl | None, model_only: bool,
+            storage_options: Mapping[str, Any] | None) -> tuple[str, str]:
+    found, save_id = pick_remote(url, project, model_only=model_only, storage_options=storage_options)
+    return str(found), save_id
 
 
 def _saved_mode(folder: Path) -> Any:

@@ -21,6 +21,12 @@ Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; 
   again and load back bit-exact into fresh objects.
 - timeout (W >= 2): rank 1 skips a save; the others raise CollectiveTimeoutError naming it, within ``timeout``;
   when rank 1 then calls it, it raises too (the save was given up), and the next save works on every rank.
+- s3 (W = 2, ``FASTCKPT_TEST_S3`` = a fresh ``s3://`` prefix on the test process's moto server): the trained state
+  saved in full and model-only to ``{S3}/{kind}`` / ``{S3}/{kind}_weights`` (``_weights_split``) beside the local
+  saves (the test process compares them); loaded back on W ranks bit-exact (``s3_load_{kind}``); automatic naming
+  with ``total_limit=2`` (``s3_project``); one flipped byte in an object (IntegrityError on every rank, nothing
+  changed: ``s3_damaged``); an upload that fails on rank 1 (every rank raises, nothing committed, no object of
+  it left, the previous save loads: ``s3_failed``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import fastckpt  # noqa: E402
 from helpers.fsdp_models import build, diff, full_state, optimizer_for, reference, same, shard, train_step  # noqa: E402
 
 OUT = Path(sys.argv[1])
+S3 = os.environ.get("FASTCKPT_TEST_S3")  # an s3:// prefix on the test process's S3 server (2-process run)
 SPLIT = 600  # bytes per model file of the sharded-model-file scenario (several files + the index)
 checks: dict[str, object] = {}
 
@@ -79,6 +86,8 @@ def scenario_train_save(kind: str, rank: int, world: int) -> None:
     fastckpt.save_state(model, opt, sched, output_dir=OUT / f"w{world}_{kind}_weights", model_only=True)
     fastckpt.save_state(model, output_dir=OUT / f"w{world}_{kind}_weights_split", model_only=True,
                         max_shard_size=SPLIT)
+    if S3 and world == 2:  # the same state to object storage (the RNG streams unchanged since the seed)
+        checks[f"s3_save_{kind}"] = error_of(lambda: s3_saves(kind, model, opt, sched))
     # the model-only folder loads back on this world size too (full files -> each rank's shard)
     m2, _, _ = fresh(kind, seed=5)
     result = fastckpt.load_state(m2, input_dir=OUT / f"w{world}_{kind}_weights", model_only=True)
@@ -87,6 +96,81 @@ def scenario_train_save(kind: str, rank: int, world: int) -> None:
     train_step(model, opt, sched, 3, rank=rank, world=world)
     ref4 = reference(kind, 4)
     checks[f"next_{kind}"] = same(full_state(model, opt), full_state(ref4[0], ref4[1]))
+
+
+def s3_saves(kind: str, model, opt, sched) -> None:
+    url = fastckpt.save_state(model, opt, sched, output_dir=f"{S3}/{kind}", step=3)
+    assert url == f"{S3}/{kind}", url
+    fastckpt.save_state(model, output_dir=f"{S3}/{kind}_weights", model_only=True)
+    fastckpt.save_state(model, output_dir=f"{S3}/{kind}_weights_split", model_only=True, max_shard_size=SPLIT)
+
+
+def scenario_s3(rank: int, world: int) -> None:
+    """Loads of the s3 saves on W ranks, automatic naming, a damaged object, a save that fails on rank 1."""
+    for kind in ("gpt2", "tiny"):
+        model, opt, sched = fresh(kind)
+        result = fastckpt.load_state(model, opt, sched, input_dir=f"{S3}/{kind}")
+        rng = torch.get_rng_state()  # before reference() reseeds
+        ref_model, ref_opt, ref_sched = reference(kind, 3)
+        got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+        checks[f"s3_load_{kind}"] = {
+            "same": same(got, want) or diff(got, want)[:5], "result": [result.missing_keys, result.unexpected_keys],
+            "sched": sched.state_dict() == ref_sched.state_dict(),
+            "rng": torch.equal(rng, torch.Generator().manual_seed(100 + rank).get_state())}
+        weights, _, _ = fresh(kind, seed=5)
+        fastckpt.load_state(weights, input_dir=f"{S3}/{kind}_weights", model_only=True)
+        checks[f"s3_weights_{kind}"] = same(full_state(weights, None), full_state(ref_model, None))
+
+    model, opt, sched = fresh("tiny")  # automatic naming: checkpoint_0, 1, 2, the oldest rotated away
+    saved = []
+    for s in range(3):
+        train_step(model, opt, sched, s, rank=rank, world=world)
+        saved.append(fastckpt.save_state(model, opt, sched, project_dir=f"{S3}/project", total_limit=2, step=s))
+    want = full_state(model, opt)
+    m2, o2, s2 = fresh("tiny")
+    fastckpt.load_state(m2, o2, s2, project_dir=f"{S3}/project")
+    checks["s3_project"] = {"urls": saved, "latest": fastckpt.latest_checkpoint(f"{S3}/project"),
+                            "same": same(full_state(m2, o2), want)}
+
+    fastckpt.save_state(model, opt, sched, output_dir=f"{S3}/tiny_bad")  # one byte of rank 0's model object flipped
+    if rank == 0:
+        from helpers.s3_server import BUCKET, client, key_prefix, keys
+
+        key = next(k for k in keys(key_prefix(f"{S3}/tiny_bad")) if k.endswith("/model/shard-00000-of-00002.safetensors"))
+        data = bytearray(client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        data[-3] ^= 0x10
+        client().put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+        checks["s3_damaged_key"] = key
+    dist.barrier()
+    fresh_model, fresh_opt, fresh_sched = fresh("tiny", seed=3)
+    train_step(fresh_model, fresh_opt, fresh_sched, 0, rank=rank, world=world)
+    before = (full_state(fresh_model, fresh_opt), fresh_sched.state_dict(), torch.get_rng_state())
+    checks["s3_damaged"] = error_of(lambda: fastckpt.load_state(fresh_model, fresh_opt, fresh_sched,
+                                                                input_dir=f"{S3}/tiny_bad"))
+    checks["s3_damaged_unchanged"] = (same(full_state(fresh_model, fresh_opt), before[0])
+                                      and fresh_sched.state_dict() == before[1]
+                                      and torch.equal(torch.get_rng_state(), before[2]))
+
+    fastckpt.save_state(model, opt, sched, output_dir=f"{S3}/tiny_fail")  # then a save whose upload fails on rank 1
+    committed = full_state(model, opt)
+    train_step(model, opt, sched, 3, rank=rank, world=world)
+    import fastckpt.dcp.writer as writer
+
+    real = writer.upload_tensor_objects
+
+    def failing(*args, **kwargs):
+        raise OSError("injected upload failure on process 1")
+
+    if rank == 1:
+        writer.upload_tensor_objects = failing
+    try:
+        checks["s3_failed"] = error_of(lambda: fastckpt.save_state(model, opt, sched, output_dir=f"{S3}/tiny_fail"))
+    finally:
+        writer.upload_tensor_objects = real
+    dist.barrier()
+    m3, o3, sched3 = fresh("tiny")
+    fastckpt.load_state(m3, o3, sched3, input_dir=f"{S3}/tiny_fail")
+    checks["s3_failed_previous_loads"] = same(full_state(m3, o3), committed)
 
 
 def scenario_load(kind: str, rank: int, world: int) -> None:
@@ -295,6 +379,8 @@ def main() -> None:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
         if world == 2:
             record("scenario_integrity", lambda: scenario_integrity(rank, world))
+        if world == 2 and S3:
+            record("scenario_s3", lambda: scenario_s3(rank, world))
     except Exception:
         checks["crash"] = traceback.format_exc()
     (OUT / f"w{world}_rank{rank}.json").write_text(json.dumps(checks, indent=1, default=str))

@@ -27,8 +27,8 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_fsdp_worker.py"
 KINDS = ("gpt2", "tiny")
 
 
-def _launch(out: Path, world: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+def _launch(out: Path, world: int, **extra: str) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **extra)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=300)
     files = [out / f"w{world}_rank{r}.json" for r in range(world)]
@@ -43,9 +43,19 @@ def _launch(out: Path, world: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def s3_prefix(s3_endpoint):
+    """The ``s3://`` prefix the 2-process run saves under (the session's moto server; AWS_* reach the workers)."""
+    import uuid
+
+    from helpers.s3_server import BUCKET
+
+    return f"s3://{BUCKET}/fsdp-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, s3_prefix):
     out = tmp_path_factory.mktemp("fsdp")
-    two = _launch(out, 2)
+    two = _launch(out, 2, FASTCKPT_TEST_S3=s3_prefix)
     four = _launch(out, 4)  # loads the 2-process checkpoints
     return out, {2: two, 4: four}
 
@@ -278,3 +288,98 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
         assert coordinator["cache_new_values"]["planned"] == 0, coordinator["cache_new_values"]
         for name in ("cache_new_optimizer_state", "cache_new_shapes"):
             assert coordinator[name]["planned"] >= 1, (name, coordinator[name])
+
+
+# -- s3:// (the 2-process run saved and loaded under s3_prefix on the session's moto server) ----------------------
+@pytest.fixture
+def fetch():
+    """``fetch(url)``: a context giving the committed ``s3://`` checkpoint as a local folder (one process)."""
+    from fastckpt._io.object_api import fetched
+    from fastckpt._io.object_store import parse_url
+
+    return lambda url: fetched(parse_url(url, "url"), None, model_only=False, storage_options=None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_s3_sharded_save_is_the_local_sharded_save_and_loads_back(runs, s3_prefix, fetch, one_thread, kind):
+    """Every rank uploads its own shards, rank 0 the small files and the manifest: fetched, the checkpoint is the
+    local sharded save of the same state, file for file (the manifest included, bar none); it loads back bit-exact
+    on 2 processes (state, scheduler, each rank's RNG) and into a plain model in one process (resharding 2 -> 1)."""
+    out, results = runs
+    for rank, res in enumerate(results[2]):
+        assert res[f"s3_save_{kind}"] == {"error": None, "message": ""}, (rank, res[f"s3_save_{kind}"])
+        assert res[f"s3_load_{kind}"] == {"same": True, "result": [[], []], "sched": True, "rng": True}, rank
+        assert res[f"s3_weights_{kind}"] is True, rank
+    local = out / f"w2_{kind}"
+    with fetch(f"{s3_prefix}/{kind}") as folder:
+        got, want = (json.loads((f / "fastckpt.json").read_text()) for f in (folder, local))
+        assert got == want
+        names = [*want["files"], *want["sharded"]["files"]]
+        assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == sorted(
+            [*names, "fastckpt.json"])
+        for name in names:
+            assert (folder / name).read_bytes() == (local / name).read_bytes(), name
+    model = build(kind, 9)
+    opt, sched = optimizer_for(model)
+    with pytest.warns(fastckpt.RngRestoreWarning, match="saved by 2 processes, resumed by 1"):
+        assert fastckpt.load_state(model, opt, sched, input_dir=f"{s3_prefix}/{kind}") == ([], [])
+    ref_model, ref_opt, ref_sched = reference(kind, 3)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    assert sched.state_dict() == ref_sched.state_dict()
+
+
+@pytest.mark.parametrize("suffix", ["_weights", "_weights_split"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_s3_model_only_sharded_save_is_the_one_process_save(runs, s3_prefix, fetch, one_thread, kind, suffix):
+    """A model-only FSDP2 save to s3 (the full state dict gathered to rank 0) uploads the files the local model-only
+    save writes, byte for byte (which are the one-process save's, see above), with the same manifest."""
+    out, _ = runs
+    local = out / f"w2_{kind}{suffix}"
+    with fetch(f"{s3_prefix}/{kind}{suffix}") as folder:
+        names = {p.name for p in folder.iterdir()}
+        assert names == {p.name for p in local.iterdir()}
+        for name in names - {"fastckpt.json"}:
+            assert (folder / name).read_bytes() == (local / name).read_bytes(), name
+        assert json.loads((folder / "fastckpt.json").read_text()) == json.loads((local / "fastckpt.json").read_text())
+    weights = build(kind, 11)
+    fastckpt.load_state(weights, input_dir=f"{s3_prefix}/{kind}{suffix}", model_only=True)
+    assert same(full_state(weights, None), full_state(reference(kind, 3)[0], None))
+
+
+def test_s3_sharded_automatic_naming_rotates(runs, s3_prefix):
+    from helpers.s3_server import key_prefix, keys
+
+    _, results = runs
+    project = f"{s3_prefix}/project"
+    for rank, res in enumerate(results[2]):
+        assert res["s3_project"] == {"urls": [f"{project}/checkpoints/checkpoint_{n}" for n in range(3)],
+                                     "latest": f"{project}/checkpoints/checkpoint_2", "same": True}, rank
+    left = {k.split("/checkpoints/", 1)[1].split("/", 1)[0] for k in keys(key_prefix(project))}
+    assert left == {"checkpoint_1", "checkpoint_2"}
+
+
+def test_s3_damaged_object_is_refused_on_every_rank_and_changes_nothing(runs):
+    from helpers.s3_server import BUCKET
+
+    _, results = runs
+    key = results[2][0]["s3_damaged_key"]
+    for rank, res in enumerate(results[2]):  # every rank reads every object, so each finds it itself
+        assert res["s3_damaged"]["error"] == "IntegrityError", (rank, res["s3_damaged"])
+        assert res["s3_damaged"]["message"].startswith(f"s3://{BUCKET}/{key}: crc32c "), res["s3_damaged"]
+        assert res["s3_damaged_unchanged"] is True, rank
+
+
+def test_s3_save_failing_on_one_rank_commits_nothing(runs, s3_prefix):
+    from helpers.s3_server import key_prefix, keys
+
+    _, results = runs
+    failed = [res["s3_failed"] for res in results[2]]
+    assert failed[1] == {"error": "OSError", "message": "injected upload failure on process 1"}, failed[1]
+    assert failed[0]["error"] == "CheckpointError", failed[0]
+    assert "failed on process 1: OSError: injected upload failure on process 1" in failed[0]["message"], failed[0]
+    prefix = key_prefix(f"{s3_prefix}/tiny_fail")
+    stored = keys(prefix)
+    assert [k for k in stored if "/manifests/" in k] == [f"{prefix}/manifests/0000000000.json"]
+    assert {k[len(prefix) + 1:].split("/", 1)[0] for k in stored} - {"manifests"} == {
+        next(k[len(prefix) + 1:].split("/", 1)[0] for k in stored if "/save-0000000000-" in k)}
+    assert all(res["s3_failed_previous_loads"] is True for res in results[2])

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastckpt._io.files import SavePlan
-from fastckpt._io.object_commit import fetched_checkpoint, save_object_checkpoint, save_plan_objects
+from fastckpt._io.object_commit import committed_manifest, fetched_checkpoint, save_object_checkpoint, save_plan_objects
 from fastckpt._io.object_project import (
     latest_object_checkpoint,
     next_object_checkpoint,
@@ -26,7 +26,7 @@ from fastckpt._io.object_project import (
 from fastckpt._io.object_store import ObjectUrl, open_store, remote_url
 from fastckpt.errors import MissingStateError
 
-__all__ = ["remote_target", "save_remote", "fetched", "latest_remote"]
+__all__ = ["remote_target", "save_remote", "fetched", "pick_remote", "latest_remote"]
 
 T = TypeVar("T")
 
@@ -82,16 +82,28 @@ def latest_remote(project: ObjectUrl, *, model_only: bool, storage_options: Mapp
 
 @contextlib.contextmanager
 def fetched(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool,
-            storage_options: Mapping[str, Any] | None) -> Iterator[Path]:
+            storage_options: Mapping[str, Any] | None, save_id: str | None = None) -> Iterator[Path]:
     """The checkpoint at ``url`` (or the latest under ``project``'s ``checkpoints/``: saved in full, or of either
     kind with ``model_only``, as locally) as a
     folder for the local loader, held in memory and checked against its manifest as it is read
     (:func:`fastckpt._io.object_commit.fetched_checkpoint`); released afterwards.
 
+    ``save_id``: the save to read (from :func:`pick_remote` on the main process); another committed save there
+    raises CheckpointChangedError.
+
     Raises:
-        MissingStateError: no committed checkpoint there. IntegrityError, HeaderError, OSError: see
-            :func:`fastckpt._io.object_commit.fetched_checkpoint`.
+        MissingStateError: no committed checkpoint there. IntegrityError, HeaderError, OSError,
+            CheckpointChangedError: see :func:`fastckpt._io.object_commit.fetched_checkpoint`.
     """
+    store, url = _resolve(url, project, model_only=model_only, storage_options=storage_options)
+    with fetched_checkpoint(store, url, save_id) as folder:
+        yield folder
+
+
+def _resolve(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool,
+             storage_options: Mapping[str, Any] | None) -> tuple[Any, ObjectUrl]:
+    """``(store, checkpoint url)``: ``url``, or the latest committed checkpoint under ``project`` (see
+    :func:`fetched`)."""
     target = url if url is not None else project
     assert target is not None
     store = open_store(target.bucket, storage_options)
@@ -103,5 +115,21 @@ def fetched(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: boo
                                     f"{'checkpoint' if model_only else 'full checkpoint'} (no checkpoint_N with a "
                                     "committed manifest)")
         url = numbers[max(numbers)]
-    with fetched_checkpoint(store, url) as folder:
-        yield folder
+    return store, url
+
+
+def pick_remote(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool,
+                storage_options: Mapping[str, Any] | None) -> tuple[ObjectUrl, str]:
+    """``(checkpoint url, save id)`` of the committed save :func:`fetched` would read now: what the main process
+    of a multi-process load picks, so that every process fetches that one save (``fetched(..., save_id=)``).
+
+    Raises:
+        MissingStateError: no committed checkpoint there. HeaderError, OSError: a malformed manifest, the store
+            failed.
+    """
+    store, url = _resolve(url, project, model_only=model_only, storage_options=storage_options)
+    manifest = committed_manifest(store, url)
+    if manifest is None:
+        raise MissingStateError(f"{url}: no committed checkpoint there (no manifests/*.json; a save that did not "
+                                "finish is never loaded)")
+    return url, manifest["save_id"]

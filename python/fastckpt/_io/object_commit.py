@@ -47,8 +47,8 @@ from fastckpt._io.object_store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderError, IntegrityError, MissingStateError
 
 __all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "save_plan_objects", "upload_folder", "new_save",
-           "upload_objects", "upload_tensor_objects", "upload_texts", "commit_save", "fetched_checkpoint",
-           "committed_manifest", "delete_checkpoint"]
+           "upload_objects", "upload_tensor_objects", "upload_texts", "upload_plan", "commit_save", "remove_save",
+           "fetched_checkpoint", "committed_manifest", "delete_checkpoint"]
 
 MANIFESTS = "manifests"
 FORMAT = "fastckpt-object/1"
@@ -221,9 +221,32 @@ def save_plan_objects(store: Any, url: ObjectUrl, plan: SavePlan, *, threads: in
         ConcurrentSaveError, OSError: see :func:`save_object_checkpoint`; nothing is committed and the previous
             checkpoint at ``url`` is untouched. ValueError / DtypeError: a tensor the writer refuses (named).
     """
+    number, save_id = new_save(store, url)
+    objects, manifest = upload_plan(store, url, save_id, plan, threads=threads)
+    if before_commit is not None:
+        try:
+            before_commit()
+        except BaseException:
+            _remove_quietly(store, url, save_id)
+            raise
+    commit_save(store, url, number, save_id, objects, manifest)
+
+
+def upload_plan(store: Any, url: ObjectUrl, save_id: str, plan: SavePlan, *, threads: int = 0,
+                counts: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Upload ``plan``'s files (tensors in CPU memory) under ``{url}/{save_id}/``: the safetensors files straight
+    from the tensors (:func:`upload_tensor_objects`), the small files put.
+
+    Returns:
+        ``(objects, manifest)``: ``{name: {bytes, crc32c}}`` of what was uploaded, and the checkpoint manifest a
+        local save of the plan writes (``counts`` added to the plan's: a sharded save's ``"sharded"`` entry).
+
+    Raises:
+        ValueError / DtypeError: a tensor the writer refuses (named). OSError: the store failed after the bounded
+            retries (names the object); this save's objects are removed.
+    """
     if plan.links:  # pragma: no cover - share_unchanged is refused for s3:// before a plan is built
         raise ValueError("a plan with hard links (share_unchanged) cannot be saved to object storage")
-    number, save_id = new_save(store, url)
     jobs = [(p.name, tensor_sources(p.tensors, p.dtype), p.metadata) for p in plan.parts]
     digests = upload_tensor_objects(store, url, save_id, jobs, threads=threads)
     objects = {p.name: {"bytes": d[0], "crc32c": _crc_hex(d[1])} for p, d in zip(plan.parts, digests)}
@@ -233,14 +256,8 @@ def save_plan_objects(store: Any, url: ObjectUrl, plan: SavePlan, *, threads: in
     entries.update({name: {"bytes": len(data), **text_entry(data)} for name, data in texts.items()})
     files = {name: entry["bytes"] for name, entry in entries.items()}
     checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in entries.items()}
-    manifest = manifest_dict(plan.mode, files, dict(plan.counts), plan.step, checksums=checksums)
-    if before_commit is not None:
-        try:
-            before_commit()
-        except BaseException:
-            _remove_quietly(store, url, save_id)
-            raise
-    commit_save(store, url, number, save_id, objects, manifest)
+    manifest = manifest_dict(plan.mode, files, {**plan.counts, **(counts or {})}, plan.step, checksums=checksums)
+    return objects, manifest
 
 
 def save_object_checkpoint(store: Any, url: ObjectUrl, write: Callable[[Path], None]) -> None:
@@ -297,6 +314,12 @@ def _delete_objects(store: Any, keys: list[str]) -> None:
         if upload_id is not None:
             store.abort_upload(marker[: -len(MARKER)], upload_id.decode())
     store.delete([k for k in keys if not k.endswith(MARKER)] + markers)
+
+
+def remove_save(store: Any, url: ObjectUrl, save_id: str) -> None:
+    """Best effort: delete every object of the uncommitted save ``save_id`` (what is left, e.g. an upload still
+    running on another process, goes with the next committed save's :func:`collect_garbage`)."""
+    _remove_quietly(store, url, save_id)
 
 
 def _remove_quietly(store: Any, url: ObjectUrl, save_id: str) -> None:
@@ -414,7 +437,7 @@ class _MemoryFolder:
 
 
 @contextlib.contextmanager
-def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
+def fetched_checkpoint(store: Any, url: ObjectUrl, save_id: str | None = None) -> Iterator[Path]:
     """The committed checkpoint at ``url`` read into memory (:class:`_MemoryFolder`: nothing is written to local
     disk) by ranged parallel reads, every object's crc32c summed as its bytes come in and checked against the
     manifest (and the checkpoint manifest inside it recording the same file sums) before this yields; yields a
@@ -425,11 +448,16 @@ def fetched_checkpoint(store: Any, url: ObjectUrl) -> Iterator[Path]:
         MissingStateError: no committed manifest at ``url``.
         IntegrityError: an object the manifest lists is missing or has another size, an object is there that it
             does not list, or the bytes read have another crc32c (names the object and the damaged tensor).
-        CheckpointChangedError: newer saves replaced the checkpoint while it was read, 5 times in a row.
+        CheckpointChangedError: newer saves replaced the checkpoint while it was read, 5 times in a row; with
+            ``save_id`` (the save another process picked): the committed save is another one.
         HeaderError: a malformed manifest. OSError: the store failed after the bounded retries.
     """
     for _attempt in range(_RETRIES):
         remote = RemoteCheckpoint(store, url)
+        if save_id is not None and remote.manifest["save_id"] != save_id:
+            remote.close()
+            raise CheckpointChangedError(f"{url}: the committed save is {remote.manifest['save_id']}, not {save_id} "
+                                         "(the one process 0 picked): a newer save replaced it; retry")
         try:
             remote.fetch(remote.names)
         except CheckpointChangedError:

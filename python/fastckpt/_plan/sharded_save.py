@@ -24,29 +24,37 @@ Session` step, so a process that died or never called it makes the others raise 
 
 A failure or a death anywhere before the commit leaves the previous checkpoint at the target exact; the staging
 folder is removed (by the main process, or by the next save when the main process died).
+
+To ``s3://`` (an :class:`~fastckpt._io.object_sharded.ObjectSave` target; the processes share no disk): at
+``staging`` the main process picks the checkpoint URL (automatic naming: the next committed number) and the new
+save's ``(number, save id)`` instead; at step 4 every rank uploads its part objects straight from tensor memory
+under ``{url}/{save id}/{part}/`` (``StorageWriter(commit=False)`` on that prefix); at ``written`` the main process
+uploads the small files (every rank's RNG file among them) and creates the manifest object last, holding the
+manifest a local sharded save writes (:func:`~fastckpt._plan.sharded_commit.commit_remote`). A failure before it:
+nothing committed, the save's objects removed (best effort), every rank raises. A ``model_only`` save gathers each
+model's full state dict to the main process instead of DCP (see :mod:`fastckpt._plan.sharded_commit`) and uploads
+what a one-process model-only save uploads.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from fastckpt import _core
 from fastckpt._format.codec import encode
-from fastckpt._format.tensors import tensor_sources
-from fastckpt._io.commit import check_target, fsync_dir, write_text
+from fastckpt._io.commit import check_target
 from fastckpt._io.distributed import Session, timeout_group
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.integrity import digest_entry, text_entry
-from fastckpt._io.layout import MANIFEST, manifest_dict, part_name, random_states_name
+from fastckpt._io.layout import part_name, random_states_name
+from fastckpt._io.object_sharded import ObjectSave
 from fastckpt._io.staging import OwnedPath, clean_leftovers
 from fastckpt._io.torch_compat import no_dist_kwargs
+from fastckpt._plan.save import build_save_plan
+from fastckpt._plan.sharded_commit import assemble_model_files, commit_local, commit_remote, full_model_states
 from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.rng import rng_payload
 from fastckpt._state.sharded import model_tensors, optimizer_tensors, owner_model
@@ -55,40 +63,10 @@ __all__ = ["save_sharded", "SHARDED_STORAGE", "WriterFactory"]
 
 #: the manifest's ``"sharded"`` entry: each part's tensors are a fastckpt.dcp folder inside the checkpoint
 SHARDED_STORAGE = "fastckpt.dcp"
-#: ``writer_factory(folder, durable, threads)`` -> a DCP ``StorageWriter`` that writes into ``folder`` without
-#: committing it; after the save, its ``files`` (on the coordinator) are ``{name: manifest entry}``
-WriterFactory = Callable[[Path, bool, int], Any]
-
-
-def parts_of(folder: Path) -> set[str]:
-    """The DCP part subfolders a sharded checkpoint's manifest names (never carried over as user files)."""
-    try:
-        sharded = json.loads((folder / MANIFEST).read_text()).get("sharded", {})
-        return {str(p) for p in sharded.get("parts", [])}
-    except (OSError, ValueError, AttributeError):
-        return set()
-
-
-def _carry_user_files(target: Path, staging: Path) -> None:
-    """Hard-link into ``staging`` the files the user keeps in ``target``: those its manifest does not list."""
-    try:
-        listed = set(json.loads((target / MANIFEST).read_text())["files"]) | {MANIFEST}
-    except (OSError, ValueError, KeyError, TypeError):
-        listed = {MANIFEST}
-    try:
-        entries = list(target.iterdir()) if target.is_dir() else []
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        if entry.name in listed or (staging / entry.name).exists() or entry.name in parts_of(target):
-            continue
-        try:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.copytree(entry, staging / entry.name, symlinks=True, copy_function=os.link)
-            else:
-                os.link(entry, staging / entry.name, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
+#: ``writer_factory(folder, durable, threads)`` -> a DCP ``StorageWriter`` that writes into ``folder`` (a local
+#: folder, or the ``s3://`` prefix of a part inside a save) without committing it; after the save, its ``files``
+#: (on the coordinator) are ``{name: manifest entry}``
+WriterFactory = Callable[[Path | str, bool, int], Any]
 
 
 def original_error(exc: BaseException) -> BaseException:
@@ -130,14 +108,15 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
         raise original_error(exc) from exc
 
 
-def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], staging: Path, writer_factory: WriterFactory,
-              durable: bool, threads: int, session: Session) -> dict[str, Any]:
-    """DCP-save every part into ``staging/{part}``; returns the written files (coordinator) as ``part/name``."""
+def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], where: Callable[[str], Path | str],
+              writer_factory: WriterFactory, durable: bool, threads: int, session: Session) -> dict[str, Any]:
+    """DCP-save every part into ``where(part)`` (``staging/{part}``, or its ``s3://`` prefix); returns the written
+    files (coordinator) as ``part/name``."""
     import torch.distributed.checkpoint as dcp
 
     files: dict[str, Any] = {}
     for sub, state in parts.items():
-        writer = writer_factory(staging / sub, durable, threads)
+        writer = writer_factory(where(sub), durable, threads)
         planner = writer.save_planner(sub) if hasattr(writer, "save_planner") else None  # plans cached per part
         run_dcp(dcp.save, state, session, storage_writer=writer, planner=planner)
         files.update({f"{sub}/{name}": entry for name, entry in (getattr(writer, "files", None) or {}).items()})
@@ -156,60 +135,12 @@ def _small_files(models: list, optimizer_texts: list[str], schedulers: list, *, 
     return texts
 
 
-def _hf_model_files(staging: Path, parts: list[str], aliases: list[dict[str, str]], names: list[list[str]], *,
-                    max_shard_size: int | None, durable: bool, threads: int) -> dict[str, dict[str, Any]]:
-    """Main process, model-only saves: each model part's DCP shards in ``staging/{part}`` -> the files a one-process
-    model-only save writes (``model.safetensors``, or Hugging Face shards + index), assembled by positional copies
-    in the Rust core (``fastckpt consolidate``'s code); the DCP subfolders are removed. Returns their checksums."""
-    from fastckpt._io.dcp_consolidate import write_model_files
-    from fastckpt._io.dcp_files import read_dcp_metadata
-
-    checksums: dict[str, dict[str, Any]] = {}
-    for i, sub in enumerate(parts):
-        folder = staging / sub
-        parsed = read_dcp_metadata(folder)
-        written = write_model_files(folder, parsed, staging, names={n: n for n in names[i]}, aliases=aliases[i],
-                                    base=sub, max_shard_size=max_shard_size, durable=durable, threads=threads)
-        tensor_files = [name for name, kind in written.items() if kind == "safetensors"]
-        sums = _core.checksum_files([str(staging / n) for n in tensor_files], threads=threads)
-        hashes = _core.hash_files([str(staging / n) for n in tensor_files], threads=threads)
-        for name, (size, crc, tensors, _), (xxh3, _) in zip(tensor_files, sums, hashes):
-            checksums[name] = digest_entry((size, crc, tensors or [], xxh3 or []))
-        for name in written.keys() - set(tensor_files):
-            checksums[name] = text_entry((staging / name).read_bytes())
-        shutil.rmtree(folder)
-    return checksums
-
-
-def _commit(staging: Path, target: Path, plan: SavePlan, sharded: dict[str, Any] | None, *, durable: bool,
-            threads: int, checksums: dict[str, dict[str, Any]] | None = None) -> None:
-    """Main process: write ``plan``'s files and the manifest into ``staging`` (which holds DCP's), commit it.
-
-    ``sharded``: the manifest's ``"sharded"`` entry (None: the folder holds no DCP parts); ``checksums``: those of
-    files already in ``staging``."""
-    jobs = [(str(staging / p.name), tensor_sources(p.tensors), p.metadata) for p in plan.parts]
-    digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=None)
-    checksums = {**(checksums or {}), **{p.name: digest_entry(d) for p, d in zip(plan.parts, digests)}}
-    for name, text in plan.texts.items():
-        data = text if isinstance(text, bytes) else text.encode("utf-8")
-        write_text(staging / name, data, durable)
-        checksums[name] = text_entry(data)
-    files = {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}
-    counts = plan.counts if sharded is None else {**plan.counts, "sharded": sharded}
-    manifest = manifest_dict(plan.mode, files, counts, plan.step, checksums=checksums)
-    _carry_user_files(target, staging)
-    write_text(staging / MANIFEST, json.dumps(manifest, indent=2), durable)
-    if durable:
-        fsync_dir(staging)
-    _core.commit_dir(str(staging), str(target), durable=durable)
-
-
 def save_sharded(
     models: list[torch.nn.Module],
     optimizers: list[Any],
     schedulers: list[Any],
     *,
-    target: Path,
+    target: Path | ObjectSave,
     model_only: bool,
     step: int,
     durable: bool,
@@ -219,10 +150,12 @@ def save_sharded(
     max_shard_size: int | None = None,
     add_files: Callable[[SavePlan], None] | None = None,
     what: str = "save_state",
-) -> Path:
-    """Save a sharded training state on every rank into ``target`` (see the module docs); returns ``target``.
+) -> Path | str:
+    """Save a sharded training state on every rank into ``target`` (see the module docs); returns ``target`` (a
+    local folder) or the committed checkpoint's ``s3://`` URL.
 
     Args:
+        target: the checkpoint folder, or an :class:`~fastckpt._io.object_sharded.ObjectSave` (``s3://``).
         max_shard_size: ``model_only`` saves: bytes per model file (None: one ``model.safetensors``).
         add_files: main process only, before the commit: adds parts / texts to the plan of small files
             (``fastckpt.accelerate`` adds the objects the Accelerator tracks).
@@ -231,16 +164,20 @@ def save_sharded(
         CollectiveTimeoutError: a process did not take part within ``timeout`` s (names it and the step).
         CheckpointError: another process failed (names it and its error); this process changed nothing.
         KeyMismatchError, TypeError, OSError: as :func:`fastckpt.save_state`, on the process where it happened.
+        ConcurrentSaveError: (``s3://``) another save committed the same checkpoint first.
     """
-    target = check_target(target)
-    session = Session(f"{what} to {target}", timeout)
+    remote = target if isinstance(target, ObjectSave) else None
+    local = check_target(target) if not isinstance(target, ObjectSave) else None
+    session = Session(f"{what} to {target if remote is not None else local}", timeout)
     if model_only:
         optimizers, schedulers = [], []
-    args = (str(target), model_only, len(models), len(optimizers), len(schedulers), session.timeout)
+    args = (str(target if remote is not None else local), model_only, len(models), len(optimizers), len(schedulers),
+            session.timeout)
     arrived = session.gather(args, step="arrive")
     owner: OwnedPath | None = None
     error: BaseException | None = None
     try:
+        begun: Any = None
         if arrived is not None and any(a != args for a in arrived):
             bad = next(r for r, a in enumerate(arrived) if a != args)
             error = ValueError(f"process {bad} called {what} with other arguments than process 0 "
@@ -248,26 +185,42 @@ def save_sharded(
                                "timeout); every process must pass the same")
         elif session.rank == 0:
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                clean_leftovers(target.parent)
-                owner = OwnedPath(target.parent, target.name)
-                owner.path.mkdir()
+                if remote is not None:  # the checkpoint URL and the save's (number, id): nothing written yet
+                    begun = remote.begin()
+                else:
+                    assert local is not None
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    clean_leftovers(local.parent)
+                    owner = OwnedPath(local.parent, local.name)
+                    owner.path.mkdir()
+                    begun = owner.path.name
             except Exception as exc:
                 error = exc
-        staging_name = session.broadcast((owner.path.name if owner else None,
-                                          None if error is None else f"{type(error).__name__}: {error}"),
+        staging_name = session.broadcast((begun, None if error is None else f"{type(error).__name__}: {error}"),
                                          step="staging")
         if error is not None:
             raise error
         if staging_name[1] is not None:
             raise _other(session, staging_name[1])
-        staging = target.parent / staging_name[0]
+        if remote is not None:
+            remote.join(staging_name[0])
+            session.what = f"{what} to {remote}"
+            where: Callable[[str], Path | str] = remote.part
+        else:
+            assert local is not None
+            staging = local.parent / staging_name[0]
+
+            def where(sub: str) -> Path | str:
+                return staging / sub
+        gather_full = remote is not None and model_only  # no shared disk to assemble on: gathered to rank 0
 
         parts: dict[str, dict[str, torch.Tensor]] = {}
         aliases: list[dict[str, str]] = []
         optimizer_texts: list[str] = []
         try:
             for i, m in enumerate(models):
+                if gather_full:
+                    continue
                 tensors, ties = model_tensors(m, "")
                 parts[part_name("model", i, "")] = tensors
                 aliases.append(ties)
@@ -282,9 +235,13 @@ def save_sharded(
         session.agree(error, step="state")
 
         dcp_files: dict[str, Any] = {}
+        full: list[dict[str, torch.Tensor]] = []
         try:
             with session.working():
-                dcp_files = _dcp_save(parts, staging, writer_factory, durable, threads, session)
+                if gather_full:
+                    full = full_model_states(models)
+                else:
+                    dcp_files = _dcp_save(parts, where, writer_factory, durable, threads, session)
         except Exception as exc:
             error = exc
         rng = None
@@ -301,25 +258,27 @@ def save_sharded(
             else:
                 try:
                     with session.working():
-                        plan = SavePlan(mode="model_only" if model_only else "full", step=step, counts={
-                            "models": len(models), "optimizers": len(optimizers), "schedulers": len(schedulers)})
-                        plan.texts.update(texts)
-                        if not model_only:
-                            for r, ((arrays, metadata), _) in enumerate(reports):
-                                plan.parts.append(FilePart(random_states_name(r),
-                                                           {k: torch.from_numpy(a) for k, a in arrays.items()},
-                                                           list(metadata.items())))
-                            plan.counts["processes"] = len(reports)
+                        if gather_full:  # what a one-process model-only save uploads (from_pretrained reads it)
+                            plan = build_save_plan(models, [], [], model_only=True, step=step, model_states=full,
+                                                   max_shard_size=max_shard_size)
+                        else:
+                            plan = _small_plan(models, optimizers, schedulers, texts, reports, model_only=model_only,
+                                               step=step)
                         if add_files is not None:
                             add_files(plan)
-                        if model_only:  # what a one-process model-only save writes: from_pretrained reads it
-                            sums = _hf_model_files(staging, list(parts), aliases, [list(t) for t in parts.values()],
-                                                   max_shard_size=max_shard_size, durable=durable, threads=threads)
-                            _commit(staging, target, plan, None, durable=durable, threads=threads, checksums=sums)
+                        sharded = None if model_only else {
+                            "storage": SHARDED_STORAGE, "world_size": session.world, "aliases": aliases,
+                            "parts": list(parts), "files": dcp_files}
+                        if remote is not None:
+                            commit_remote(remote, plan, sharded, threads=threads)
+                        elif model_only:  # what a one-process model-only save writes: from_pretrained reads it
+                            assert local is not None
+                            sums = assemble_model_files(staging, list(parts), aliases, [list(t) for t in parts.values()],
+                                                        max_shard_size=max_shard_size, durable=durable, threads=threads)
+                            commit_local(staging, local, plan, None, durable=durable, threads=threads, checksums=sums)
                         else:
-                            sharded = {"storage": SHARDED_STORAGE, "world_size": session.world,
-                                       "aliases": aliases, "parts": list(parts), "files": dcp_files}
-                            _commit(staging, target, plan, sharded, durable=durable, threads=threads)
+                            assert local is not None
+                            commit_local(staging, local, plan, sharded, durable=durable, threads=threads)
                 except Exception as exc:
                     error = exc
                     outcome = f"{type(exc).__name__}: {exc}"
@@ -328,13 +287,32 @@ def save_sharded(
             raise error
         if result is not None:
             raise _other(session, result)
-        return target
+        if remote is not None:
+            return str(remote.url)
+        assert local is not None
+        return local
     except BaseException as exc:
         session.abandon(f"process {session.rank} failed: {type(exc).__name__}: {exc}")
         raise
     finally:
         if owner is not None:
             owner.release()  # after the commit nothing is left there; otherwise the partial folder goes
+        if remote is not None and session.rank == 0:
+            remote.discard()  # nothing once committed; otherwise the save's objects go (best effort)
+
+
+def _small_plan(models: list, optimizers: list, schedulers: list, texts: dict[str, str], reports: list, *,
+                model_only: bool, step: int) -> SavePlan:
+    """Main process: the plan of the small files (the JSON texts, one RNG file per process)."""
+    plan = SavePlan(mode="model_only" if model_only else "full", step=step, counts={
+        "models": len(models), "optimizers": len(optimizers), "schedulers": len(schedulers)})
+    plan.texts.update(texts)
+    if not model_only:
+        for r, ((arrays, metadata), _) in enumerate(reports):
+            plan.parts.append(FilePart(random_states_name(r), {k: torch.from_numpy(a) for k, a in arrays.items()},
+                                       list(metadata.items())))
+        plan.counts["processes"] = len(reports)
+    return plan
 
 
 def _other(session: Session, message: str) -> Exception:

@@ -26,7 +26,7 @@ from fastckpt._io.integrity import digest_entry, text_entry
 from fastckpt._io.layout import MANIFEST, manifest_dict
 from fastckpt._io.location import check_location
 from fastckpt._io.object_commit import commit_save, new_save, upload_tensor_objects, upload_texts
-from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
+from fastckpt._io.object_store import OBJECT_SCHEMES, ObjectUrl, open_store, remote_url
 from fastckpt._io.staging import OwnedPath, clean_leftovers
 from fastckpt.dcp.gc_pause import gc_paused
 
@@ -104,7 +104,10 @@ class StorageWriter(_DCPStorageWriter):
         storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank writes
             its shard file in a private local folder and uploads it under the save's prefix (crc32c checked against
             the writer's); the coordinator uploads ``dcp_metadata.json`` and commits by creating the manifest object
-            last (:mod:`fastckpt._io.object_commit`). ``commit=False`` does not apply there.
+            last (:mod:`fastckpt._io.object_commit`). With ``commit=False`` the ``s3://`` path is a prefix inside a
+            save an outer save commits (``s3://bucket/ckpt/save-{n}-{id}/model``, ``fastckpt.save_state`` under
+            FSDP2): every rank uploads its objects straight under it, the coordinator puts ``dcp_metadata.json``
+            there, and nothing is committed (:attr:`files` as for a local folder).
 
     Raises (inside ``dcp.save``, wrapped by DCP in its ``CheckpointException``; :func:`fastckpt.dcp.save`
     re-raises the original):
@@ -160,14 +163,17 @@ class StorageWriter(_DCPStorageWriter):
     def _set_path(self, path: Any, what: str) -> None:
         check_location(path, what, supported=OBJECT_SCHEMES)
         self.url = remote_url(path, what)
-        if self.url is not None and not self.commit:
-            raise ValueError(f"{what}={path!r}: commit=False writes into a local folder an outer save stages; an "
-                             "s3:// checkpoint is committed by its own manifest (pass commit=True)")
+        if self.url is not None and not self.commit and "/" not in self.url.prefix:
+            raise ValueError(f"{what}={path!r}: commit=False writes under a prefix inside a save an outer save "
+                             "commits (s3://bucket/checkpoint/save-id/part); pass that prefix, or commit=True")
         self.path = Path(path) if self.url is None else Path(str(self.url))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: create the folder every rank writes into and tell each rank its file name."""
         n = len(plans)
+        if self.url is not None and not self.commit:  # under the outer save's prefix: no save of its own
+            return [dataclasses.replace(p, storage_data={"folder": None, "file": shard_file_name(i, n)})
+                    for i, p in enumerate(plans)]
         if self.url is not None:  # object storage: every rank uploads under one new save id
             number, save_id = self._remote = new_save(open_store(self.url.bucket, self.storage_options), self.url)
             return [dataclasses.replace(p, storage_data={"folder": None, "save_id": save_id,
@@ -193,9 +199,9 @@ class StorageWriter(_DCPStorageWriter):
         info = plan.storage_data
         file = info["file"]
         # s3: no folder (uploaded from memory); commit=False: this writer's own path on every rank (a cached plan's
-        # folder is the last save's); commit=True: the staging folder the coordinator made, in the plan
+        # folder is the last save's, local or not); commit=True: the staging folder the coordinator made, in the plan
         folder = None
-        if info["folder"] is not None:
+        if self.url is None:
             folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
@@ -244,7 +250,7 @@ class StorageWriter(_DCPStorageWriter):
                        if "name" in r.storage_data else r for r in results]
             jobs = [(f, tensor_sources({n: tensors[n] for n in group}), [("format", "pt")])
                     for f, group in zip(files, groups)]
-            found = upload_tensor_objects(store, self.url, info["save_id"], jobs, threads=self.threads)
+            found = upload_tensor_objects(store, *self._save_prefix(info), jobs, threads=self.threads)
             digests = list(zip(files, found))
         elif tensors:
             assert folder is not None
@@ -301,10 +307,25 @@ class StorageWriter(_DCPStorageWriter):
         _core.commit_dir(str(folder), str(target), durable=self.durable)
         self.abort()  # nothing is left at the staging path now: drops the lock file
 
+    def _save_prefix(self, info: dict[str, Any]) -> tuple[ObjectUrl, str]:
+        """``(url, save id)`` whose ``{url}/{save id}/`` the objects of an s3 save go under: the save the
+        coordinator began (in the plan), or with ``commit=False`` this writer's own prefix (a cached plan holds the
+        last save's ids), split at its last segment."""
+        assert self.url is not None
+        if self.commit:
+            return self.url, info["save_id"]
+        parent, _, leaf = self.url.prefix.rpartition("/")
+        return ObjectUrl(self.url.bucket, parent), leaf
+
     def _finish_remote(self, text: bytes, files: dict[str, dict[str, Any]]) -> None:
-        """Coordinator of an s3 save: upload ``dcp_metadata.json``, then commit the manifest object last."""
-        assert self.url is not None and self._remote is not None
+        """Coordinator of an s3 save: upload ``dcp_metadata.json``, then commit the manifest object last (with
+        ``commit=False`` only the upload: the outer save commits)."""
+        assert self.url is not None
         store = open_store(self.url.bucket, self.storage_options)
+        if not self.commit:
+            upload_texts(store, *self._save_prefix({}), {METADATA_FILE: text})
+            return
+        assert self._remote is not None
         number, save_id = self._remote
         upload_texts(store, self.url, save_id, {METADATA_FILE: text})
         sizes = {name: entry["bytes"] for name, entry in files.items()}
