@@ -15,10 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.distributed import Session, process_rank
 from fastckpt._io.folder import pinned
 from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
-from fastckpt._io.object_api import fetched, pick_remote, remote_target
+from fastckpt._io.object_api import opened, pick_remote, remote_target
+from fastckpt._io.object_commit import RemoteCheckpoint
 from fastckpt._io.object_sharded import ObjectSave
 from fastckpt._io.object_store import ObjectUrl, parse_url
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
@@ -85,11 +87,15 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, outp
 
 
 def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
-                       strict: bool, threads: int, verify: bool, timeout: float) -> tuple[list[str], list[str]]:
-    """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys)``."""
+                       strict: bool, threads: int, verify: bool, timeout: float,
+                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str]]:
+    """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys)``.
+
+    ``remote``: ``folder`` is that opened ``s3://`` checkpoint's folder, holding its small files and each part's
+    ``dcp_metadata.json``; each part's reader fetches the shard objects this rank's boxes come from."""
     from fastckpt.errors import MissingStateError
 
-    session = Session(f"load_state from {folder.absolute()}", timeout)
+    session = Session(f"load_state from {remote.url if remote is not None else folder.absolute()}", timeout)
     mode = None if is_sharded_checkpoint(folder) else _saved_mode(folder)
     if mode == "model_only" and not model_only and (optimizers or schedulers):
         raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer or scheduler state; "
@@ -109,9 +115,10 @@ def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers:
 
         warn_unrestored(folder, session.world, stacklevel=4)
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                             session=session, reader_factory=dcp_storage_reader,
+                             session=session, reader_factory=dcp_storage_reader if remote is None else
+                             functools.partial(_remote_part_reader, remote),
                              rng_rank=None if model_only else session.rank, failed=error, verify=verify,
-                             threads=threads)
+                             threads=threads, listed=remote is not None)
     plan.apply()
     return plan.missing_keys, plan.unexpected_keys
 
@@ -126,16 +133,45 @@ def load_sharded_remote(url: ObjectUrl | None, project: ObjectUrl | None, models
     chosen, save_id = session.on_main(lambda: _picked(url, project, model_only, storage_options), step="find")
     with contextlib.ExitStack() as stack:
         error: BaseException | None = None
-        folder = Path()
+        remote: RemoteCheckpoint | None = None
+        lazy = False
         try:
-            folder = stack.enter_context(fetched(parse_url(chosen, "input_dir"), None, model_only=model_only,
-                                                 storage_options=storage_options, save_id=save_id))
+            remote = stack.enter_context(opened(parse_url(chosen, "input_dir"), None, model_only=model_only,
+                                                storage_options=storage_options, save_id=save_id))
+            small, lazy = _eager_objects(remote)
+            remote.fetch(small)
         except Exception as exc:  # every rank learns of it before anything changes anywhere
             error = exc
         session.agree(error, step="fetch")
-        # every object's crc32c was checked as it came in: not summed again
-        return load_sharded_state(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                                  threads=threads, verify=False, timeout=timeout)
+        assert remote is not None
+        # every object's crc32c is checked as it comes in: not summed again
+        return load_sharded_state(remote.folder, models, optimizers, schedulers, model_only=model_only,
+                                  strict=strict, threads=threads, verify=False, timeout=timeout,
+                                  remote=remote if lazy else None)
+
+
+def _eager_objects(remote: RemoteCheckpoint) -> tuple[list[str], bool]:
+    """``(names, lazy)``: the objects every rank reads before planning: of a sharded save, everything but the
+    parts' shard files (each part reader fetches the shards its boxes come from: ``lazy``); of a model-only save
+    (Hugging Face files every rank reads in full), every object."""
+    sharded = remote.manifest["manifest"].get("sharded")
+    parts = sharded.get("parts") if isinstance(sharded, dict) else None
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        return remote.names, False
+
+    def before_planning(name: str) -> bool:
+        part, _, rest = name.partition("/")
+        return part not in parts or rest == METADATA_FILE
+
+    return [n for n in remote.names if before_planning(n)], True
+
+
+def _remote_part_reader(remote: RemoteCheckpoint, folder: Path, checksums: dict[str, Any] | None = None, *,
+                        verify: bool = True, threads: int = 0) -> Any:
+    """:func:`dcp_storage_reader` for the part ``folder.name`` of the opened ``s3://`` checkpoint ``remote``."""
+    reader = dcp_storage_reader(folder, checksums, verify=verify, threads=threads)
+    reader.attach_remote(remote, folder.name)
+    return reader
 
 
 def _picked(url: ObjectUrl | None, project: ObjectUrl | None, model_only: bool,

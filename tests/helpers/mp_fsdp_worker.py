@@ -23,7 +23,8 @@ Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; 
   when rank 1 then calls it, it raises too (the save was given up), and the next save works on every rank.
 - s3 (W = 2, ``FASTCKPT_TEST_S3`` = a fresh ``s3://`` prefix on the test process's moto server): the trained state
   saved in full and model-only to ``{S3}/{kind}`` / ``{S3}/{kind}_weights`` (``_weights_split``) beside the local
-  saves (the test process compares them); loaded back on W ranks bit-exact (``s3_load_{kind}``); automatic naming
+  saves (the test process compares them); loaded back on W ranks bit-exact (``s3_load_{kind}``; the objects each
+  rank fetched: ``s3_fetched_{kind}``); automatic naming
   with ``total_limit=2`` (``s3_project``); one flipped byte in an object (IntegrityError on every rank, nothing
   changed: ``s3_damaged``); an upload that fails on rank 1 (every rank raises, nothing committed, no object of
   it left, the previous save loads: ``s3_failed``).
@@ -107,9 +108,23 @@ def s3_saves(kind: str, model, opt, sched) -> None:
 
 def scenario_s3(rank: int, world: int) -> None:
     """Loads of the s3 saves on W ranks, automatic naming, a damaged object, a save that fails on rank 1."""
+    from fastckpt._io.object_commit import RemoteCheckpoint
+
+    real_fetch, fetched = RemoteCheckpoint.fetch, []
+
+    def recording_fetch(self, names):  # which objects this rank reads
+        fetched.extend(sorted(set(names) - set(self.fetched)))
+        return real_fetch(self, names)
+
     for kind in ("gpt2", "tiny"):
         model, opt, sched = fresh(kind)
-        result = fastckpt.load_state(model, opt, sched, input_dir=f"{S3}/{kind}")
+        fetched.clear()
+        RemoteCheckpoint.fetch = recording_fetch
+        try:
+            result = fastckpt.load_state(model, opt, sched, input_dir=f"{S3}/{kind}")
+        finally:
+            RemoteCheckpoint.fetch = real_fetch
+        checks[f"s3_fetched_{kind}"] = sorted(fetched)
         rng = torch.get_rng_state()  # before reference() reseeds
         ref_model, ref_opt, ref_sched = reference(kind, 3)
         got, want = full_state(model, opt), full_state(ref_model, ref_opt)

@@ -346,6 +346,25 @@ def test_s3_model_only_sharded_save_is_the_one_process_save(runs, s3_prefix, fet
     assert same(full_state(weights, None), full_state(reference(kind, 3)[0], None))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_s3_sharded_load_fetches_on_each_rank_only_the_model_shards_it_reads(runs, s3_prefix, fetch, kind):
+    """Loaded in the saved placement, rank r fetches the small files, each part's metadata and its own model shard
+    (FSDP2 shards every parameter along dim 0), plus rank 0's where a replicated value lives there (the tiny
+    model's ``scale`` buffer is not sharded: DCP writes it once, on rank 0); rank 0 never needs rank 1's."""
+    _, results = runs
+    with fetch(f"{s3_prefix}/{kind}") as folder:
+        manifest = json.loads((folder / "fastckpt.json").read_text())
+    small = sorted([*manifest["files"], *(f"{p}/dcp_metadata.json" for p in manifest["sharded"]["parts"])])
+    for rank, res in enumerate(results[2]):
+        fetched = res[f"s3_fetched_{kind}"]
+        model = sorted(n for n in fetched if n.startswith("model/shard-"))
+        own = [rank, *([0] if kind == "tiny" and rank == 1 else [])]
+        assert model == sorted(f"model/shard-{r:05d}-of-00002.safetensors" for r in own), (rank, fetched)
+        assert sorted(n for n in fetched if "/shard-" not in n) == small, (rank, fetched)
+        everything = {*small, *manifest["sharded"]["files"]}
+        assert set(fetched) < everything if rank == 0 else set(fetched) <= everything, (rank, fetched)
+
+
 def test_s3_sharded_automatic_naming_rotates(runs, s3_prefix):
     from helpers.s3_server import key_prefix, keys
 
@@ -363,9 +382,12 @@ def test_s3_damaged_object_is_refused_on_every_rank_and_changes_nothing(runs):
 
     _, results = runs
     key = results[2][0]["s3_damaged_key"]
-    for rank, res in enumerate(results[2]):  # every rank reads every object, so each finds it itself
+    # rank 0 reads its model shard (the damaged one) while DCP plans, rank 1 too: the replicated ``scale`` buffer
+    # lives there; each finds the damage itself before any destination is filled
+    for rank, res in enumerate(results[2]):
         assert res["s3_damaged"]["error"] == "IntegrityError", (rank, res["s3_damaged"])
         assert res["s3_damaged"]["message"].startswith(f"s3://{BUCKET}/{key}: crc32c "), res["s3_damaged"]
+    for rank, res in enumerate(results[2]):
         assert res["s3_damaged_unchanged"] is True, rank
 
 

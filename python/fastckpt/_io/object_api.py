@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastckpt._io.files import SavePlan
-from fastckpt._io.object_commit import committed_manifest, fetched_checkpoint, save_object_checkpoint, save_plan_objects
+from fastckpt._io.object_commit import (
+    RemoteCheckpoint,
+    committed_manifest,
+    fetched_checkpoint,
+    save_object_checkpoint,
+    save_plan_objects,
+)
 from fastckpt._io.object_project import (
     latest_object_checkpoint,
     next_object_checkpoint,
@@ -26,7 +32,7 @@ from fastckpt._io.object_project import (
 from fastckpt._io.object_store import ObjectUrl, open_store, remote_url
 from fastckpt.errors import MissingStateError
 
-__all__ = ["remote_target", "save_remote", "fetched", "pick_remote", "latest_remote"]
+__all__ = ["remote_target", "save_remote", "fetched", "opened", "pick_remote", "latest_remote"]
 
 T = TypeVar("T")
 
@@ -98,6 +104,20 @@ def fetched(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: boo
     store, url = _resolve(url, project, model_only=model_only, storage_options=storage_options)
     with fetched_checkpoint(store, url, save_id) as folder:
         yield folder
+
+
+@contextlib.contextmanager
+def opened(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool,
+           storage_options: Mapping[str, Any] | None, save_id: str | None = None) -> Iterator[RemoteCheckpoint]:
+    """The committed checkpoint :func:`fetched` would read, listed and checked against its manifest but with no
+    object read yet (:class:`fastckpt._io.object_commit.RemoteCheckpoint`: the caller fetches what it needs);
+    released afterwards. Raises as :func:`fetched` does, when opening."""
+    store, url = _resolve(url, project, model_only=model_only, storage_options=storage_options)
+    remote = RemoteCheckpoint(store, url, save_id)
+    try:
+        yield remote
+    finally:
+        remote.close()
 
 
 def _resolve(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool,

@@ -48,7 +48,7 @@ from fastckpt.errors import CheckpointChangedError, ConcurrentSaveError, HeaderE
 
 __all__ = ["MANIFESTS", "FORMAT", "MARKER", "save_object_checkpoint", "save_plan_objects", "upload_folder", "new_save",
            "upload_objects", "upload_tensor_objects", "upload_texts", "upload_plan", "commit_save", "remove_save",
-           "fetched_checkpoint", "committed_manifest", "delete_checkpoint"]
+           "fetched_checkpoint", "RemoteCheckpoint", "committed_manifest", "delete_checkpoint"]
 
 MANIFESTS = "manifests"
 FORMAT = "fastckpt-object/1"
@@ -453,11 +453,7 @@ def fetched_checkpoint(store: Any, url: ObjectUrl, save_id: str | None = None) -
         HeaderError: a malformed manifest. OSError: the store failed after the bounded retries.
     """
     for _attempt in range(_RETRIES):
-        remote = RemoteCheckpoint(store, url)
-        if save_id is not None and remote.manifest["save_id"] != save_id:
-            remote.close()
-            raise CheckpointChangedError(f"{url}: the committed save is {remote.manifest['save_id']}, not {save_id} "
-                                         "(the one process 0 picked): a newer save replaced it; retry")
+        remote = RemoteCheckpoint(store, url, save_id)
         try:
             remote.fetch(remote.names)
         except CheckpointChangedError:
@@ -486,11 +482,14 @@ class RemoteCheckpoint:
     come in and checked against the manifest object before it returns). :attr:`folder` holds the fetched objects
     only, under their names; a path-based reader opens them as local files.
 
+    ``save_id``: the save to read (the one another process picked); another committed save there raises
+    CheckpointChangedError.
+
     Raises (opening): MissingStateError (no committed manifest), IntegrityError (the listing disagrees with the
     manifest), HeaderError (a malformed manifest), OSError (the store failed after the bounded retries).
     """
 
-    def __init__(self, store: Any, url: ObjectUrl) -> None:
+    def __init__(self, store: Any, url: ObjectUrl, save_id: str | None = None) -> None:
         self.store, self.url = store, url
         self._space = _MemoryFolder()
         try:
@@ -499,6 +498,9 @@ class RemoteCheckpoint:
                 if manifest is None:
                     raise MissingStateError(f"{url}: no committed checkpoint there (no {MANIFESTS}/*.json; a save "
                                             "that did not finish is never loaded)")
+                if save_id is not None and manifest["save_id"] != save_id:
+                    raise CheckpointChangedError(f"{url}: the committed save is {manifest['save_id']}, not {save_id} "
+                                                 "(the one process 0 picked): a newer save replaced it; retry")
                 try:
                     self.folder = self._open(manifest)
                     break

@@ -104,11 +104,13 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
                       strict: bool, session: Session, reader_factory: ReaderFactory,
                       rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None,
                       failed: BaseException | None = None, verify: bool = True,
-                      threads: int = 0) -> ShardedLoad:
+                      threads: int = 0, listed: bool = False) -> ShardedLoad:
     """Phase 1 on this rank (see the module docs): validate and read; nothing live changes.
 
     ``verify``: every byte read (the shards' chunks this rank reads, the RNG file, the JSON files) is checked
     against the crc32c the manifest records, before DCP fills a tensor (IntegrityError naming file and tensor).
+    ``listed``: ``folder`` holds the small files and each part's ``dcp_metadata.json`` of an ``s3://`` checkpoint
+    whose listing was checked against its manifest (sizes included); the part readers fetch the shards they read.
 
     ``extra(load)``: reads and validates more state into ``load.objects`` (``fastckpt.accelerate``'s tracked
     objects), before any rank reads the shards. ``failed``: this rank's error from the caller's own checks
@@ -124,7 +126,8 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
         if failed is not None:
             raise failed
         found = _validate(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                          reader_factory=reader_factory, rng_rank=rng_rank, verify=verify, threads=threads)
+                          reader_factory=reader_factory, rng_rank=rng_rank, verify=verify, threads=threads,
+                          listed=listed)
         if extra is not None and not model_only:
             extra(found[0])
     except Exception as exc:  # every rank learns of it before DCP's collectives start
@@ -143,14 +146,15 @@ def _check_count(folder: Path, manifest: dict, kind: str, objs: list) -> None:
 
 
 def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool, strict: bool,
-              reader_factory: ReaderFactory, rng_rank: int | None, verify: bool, threads: int) -> tuple:
-    manifest = read_manifest(folder)
+              reader_factory: ReaderFactory, rng_rank: int | None, verify: bool, threads: int,
+              listed: bool = False) -> tuple:
+    manifest = read_manifest(folder, check_sizes=not listed)
     records = manifest.get("files", {}) if verify else {}
     if model_only:
         optimizers, schedulers = [], []
     _check_count(folder, manifest, "models", models)
     sharded = manifest["sharded"]
-    _check_part_files(folder, sharded)
+    _check_part_files(folder, sharded, stat=not listed)
     aliases = sharded.get("aliases", [])
     load = ShardedLoad(strict=strict)
     dest: dict[str, dict[str, torch.Tensor]] = {}
@@ -244,8 +248,9 @@ def _refuse_unlisted(folder: Path, names: list[str]) -> None:
                              "nothing vouches for it; nothing was changed")
 
 
-def _check_part_files(folder: Path, sharded: dict[str, Any]) -> None:
-    """Every shard file the manifest lists is there with its recorded size (IntegrityError / MissingStateError)."""
+def _check_part_files(folder: Path, sharded: dict[str, Any], *, stat: bool = True) -> None:
+    """Every shard file the manifest lists is there with its recorded size (IntegrityError / MissingStateError;
+    ``stat=False``: the names only, the sizes were checked against an object store's listing)."""
     from fastckpt.errors import HeaderError, IntegrityError
 
     files = sharded.get("files", {})
@@ -256,6 +261,8 @@ def _check_part_files(folder: Path, sharded: dict[str, Any]) -> None:
         if len(parts) != 2 or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
             raise HeaderError(f"{folder}: sharded file name {name!r} points outside its part folder")
         path = folder / name
+        if not stat:
+            continue
         try:
             size = path.stat().st_size
         except FileNotFoundError:

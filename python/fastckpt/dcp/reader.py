@@ -97,6 +97,7 @@ class StorageReader(_DCPStorageReader):
         self.storage_options = storage_options
         self._fetched = contextlib.ExitStack()
         self._remote: RemoteCheckpoint | None = None
+        self._part = ""  # the part folder within the remote save this reader serves ("" : the whole save)
         self._set_path(path, "path")
         self.threads = threads
         self.verify = verify
@@ -120,7 +121,16 @@ class StorageReader(_DCPStorageReader):
         self._fetched.close()
         self.url = remote_url(path, what)
         self.path = Path(path) if self.url is None else Path(str(self.url))
-        self._remote = None
+        self._remote, self._part = None, ""
+
+    def attach_remote(self, remote: RemoteCheckpoint, part: str) -> None:
+        """Serve the part folder ``part`` of an opened ``s3://`` checkpoint (a sharded ``load_state``: the outer
+        save's objects ``{part}/...``): its ``dcp_metadata.json`` must be fetched already; the objects this rank's
+        boxes come from are fetched while planning, as for an ``s3://`` ``path``. The remote stays the caller's."""
+        self._fetched.close()
+        self._remote, self._part = remote, part
+        self.url = remote.url.child(part)
+        self.path = Path(str(self.url))
 
     @property
     def fetched(self) -> list[str]:
@@ -140,7 +150,7 @@ class StorageReader(_DCPStorageReader):
             weakref.finalize(self, self._fetched.close)
             self._remote = remote
             remote.fetch([METADATA_FILE] if METADATA_FILE in remote.names else [])
-        return self._remote.folder
+        return self._remote.folder / self._part if self._part else self._remote.folder
 
     def _fetch_for(self, items: list[ReadItem]) -> None:
         """s3: read the objects holding the chunks ``items`` read from (those not read yet), then open and check
@@ -149,7 +159,7 @@ class StorageReader(_DCPStorageReader):
         needed = {self._parsed.chunks[(item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))
                                       ].file for item in items if item.type != LoadItemType.BYTE_IO}
         if needed - self._files.keys():
-            self._remote.fetch(needed)
+            self._remote.fetch([f"{self._part}/{n}" if self._part else n for n in needed])
             records = self._checksums  # the listing matched the manifest's sizes already: its records as they are
             if records is None:
                 records = self._remote.manifest["manifest"].get("files", {})
