@@ -359,7 +359,7 @@ def save_state(
                                    total_limit=total_limit, storage_options=storage_options,
                                    before_commit=before_commit)
 
-            return start_async(plan, [], Path(str(remote if remote is not None else project)), async_save,
+            return start_async(plan, [], str(remote if remote is not None else project), async_save,
                                write=upload, budget=host_memory_budget, snapshot_only="over s3://")
         return save_remote(remote, project, write_local, plan=None if has_device_tensors(plan) else plan, threads=threads,
                            model_only=model_only, total_limit=total_limit, storage_options=storage_options)
@@ -614,5 +614,8 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progr
     remote, _ = remote_target(folder, None, "folder")
     if remote is not None:
         with fetched(remote, None, model_only=False, storage_options=storage_options) as local:
-            return _verify_local(local, threads=threads, progress=progress)
+            report = _verify_local(local, threads=threads, progress=progress)
+            report.problems = [p.replace(str(local), str(remote)) for p in report.problems]
+            report.folder = str(remote)  # the copy is gone once this returns
+            return report
     return _verify_local(folder, threads=threads, progress=progress)

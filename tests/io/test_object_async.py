@@ -65,7 +65,8 @@ def test_a_cancelled_async_save_commits_nothing_and_removes_its_objects(proxy, s
     assert held.reached.wait(60)
     assert handle.cancel() is True
     held.go.set()
-    with pytest.raises(SaveCancelledError):
+    assert repr(handle).startswith(f"AsyncSave({s3_url!r}, running")
+    with pytest.raises(SaveCancelledError, match=f"async save to {s3_url} was cancelled"):
         handle.wait()
     assert _saves(s3_url) == before
     assert loaded_fingerprint(s3_url, 2) == expected_fingerprint(1, 2)

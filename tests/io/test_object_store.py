@@ -352,6 +352,39 @@ def test_cli_verify_and_inspect_read_s3_checkpoints(committed, capsys):
     assert f"s3://{BUCKET}/{key}: crc32c" in capsys.readouterr().err
     assert main(["verify", url + "-nothing-here"]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+    assert main(["verify", url + "/a{b}"]) == 2  # a key prefix S3 advises against: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("fastckpt verify: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_what_names_an_s3_checkpoint_names_its_url_not_the_copy_in_memory(committed, capsys):
+    """Outputs, reports, errors and warnings of reads from s3:// name the URL: the fetched copy is gone by then."""
+    from fastckpt.cli import main
+
+    url, live, before = committed
+    assert main(["verify", url]) == 0
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert url in out and "/dev/shm" not in out and "fastckpt-s3-" not in out, out
+    report = fastckpt.verify_checkpoint(url)
+    assert report.folder == url
+    fastckpt.save_state(live[0], model_only=True, output_dir=url + "-weights")
+    with pytest.raises(MissingStateError) as info:
+        fastckpt.load_state(*live, input_dir=url + "-weights")
+    assert str(info.value).startswith(f"{url}-weights: saved with model_only=True"), info.value
+    assert_model_state(live[0], before)
+
+
+def test_storage_options_that_are_not_a_mapping_are_a_type_error(s3_url):
+    with pytest.raises(TypeError, match="storage_options must be a mapping of S3 settings.*got str"):
+        fastckpt.load_state(torch.nn.Linear(2, 2), input_dir=s3_url, storage_options="endpoint=x")
+
+
+def test_a_manifest_whose_number_is_not_its_name_is_refused(committed):
+    url = committed[0]
+    key = f"{key_prefix(url)}/manifests/0000000000.json"
+    _put(key, json.dumps(dict(json.loads(_get(key)), number=7)).encode())
+    _expect_refused(committed, HeaderError, r"0000000000\.json: records number 7, its name says 0")
 
 
 def test_consolidate_an_s3_dcp_checkpoint_into_a_local_model_folder(s3_url, tmp_path):

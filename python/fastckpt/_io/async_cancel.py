@@ -31,7 +31,7 @@ class CancelToken:
         target: the checkpoint folder (for messages).
     """
 
-    def __init__(self, target: Path) -> None:
+    def __init__(self, target: Path | str) -> None:
         self.target = target
         self._lock = threading.Lock()
         self._cancelled = False

@@ -39,7 +39,7 @@ def _plan_bytes(plan: SavePlan) -> int:
     return sum(t.numel() * t.element_size() for part in plan.parts for t in part.tensors.values())
 
 
-def start_async(plan: SavePlan, optimizers: list[Any], target: Path, mode: bool | str, *,
+def start_async(plan: SavePlan, optimizers: list[Any], target: Path | str, mode: bool | str, *,
                 write: Callable[..., Any], budget: int | str | None = None, auto_named: bool = False,
                 after: Callable[[], Any] | None = None, snapshot_only: str | None = None) -> Any:
     """Start the async save of ``plan`` in ``mode`` (``True``, ``"stream"`` or ``"snapshot"``); returns its

@@ -43,7 +43,7 @@ class AsyncSave:
     """The handle of one asynchronous save, returned by ``save_state(..., async_save=True)``.
 
     Attributes:
-        path: the checkpoint folder it commits (absolute).
+        path: the checkpoint folder it commits (absolute), or the ``s3://`` URL (a ``str``) it uploads to.
         blocking_seconds: how long the caller was blocked (seconds).
         snapshot_bytes: bytes copied at the call (the whole state with ``async_save="snapshot"``; for a streaming
             save only the buffers, small tensors and unowned parameters).
@@ -51,7 +51,7 @@ class AsyncSave:
         pool_allocations: allocations of that buffer so far (stays 1 while the state does not grow).
     """
 
-    def __init__(self, path: Path, future: Future, snapshot: Snapshot | None, blocking_seconds: float, *,
+    def __init__(self, path: Path | str, future: Future, snapshot: Snapshot | None, blocking_seconds: float, *,
                  stream: Any = None, token: CancelToken | None = None) -> None:
         self.path = path
         self._token = token
@@ -196,7 +196,7 @@ class AsyncSaver:
         folder = Path(folder).absolute()
         with self._lock:
             return [h for h in self._pending if not h.done()
-                    and (h.path.absolute() == folder or folder in h.path.absolute().parents)]  # s3: Path(url)
+                    and (Path(h.path).absolute() == folder or folder in Path(h.path).absolute().parents)]
 
     def release_buffers(self) -> int:
         """Free the host buffers of every idle pool slot; returns the bytes freed."""
@@ -232,7 +232,7 @@ class AsyncSaver:
         if self.pool.in_use() == 0:
             self.pool.release_buffers()
 
-    def submit(self, plan: SavePlan, target: Path, *, write: Callable[..., Any], blocking: bool = False,
+    def submit(self, plan: SavePlan, target: Path | str, *, write: Callable[..., Any], blocking: bool = False,
                after: Callable[[], Any] | None = None) -> AsyncSave:
         """Snapshot ``plan`` into the pool, then ``write(snapshot_plan, target)`` on the writer thread.
 
@@ -336,7 +336,7 @@ def wait_for_saves_to(folder: Path) -> None:
         handle.wait()
 
 
-def submit(plan: SavePlan, target: Path, *, write: Callable[..., Any], blocking: bool = False,
+def submit(plan: SavePlan, target: Path | str, *, write: Callable[..., Any], blocking: bool = False,
            auto_named: bool = False, after: Callable[[], Any] | None = None) -> AsyncSave:
     """:meth:`AsyncSaver.submit` on the default saver; ``auto_named`` skips numbers of saves in flight."""
     saver = default_saver()

@@ -54,7 +54,7 @@ class VerifyReport:
     """What :func:`check_checkpoint` found.
 
     Attributes:
-        folder: the checkpoint folder.
+        folder: the checkpoint folder (for an ``s3://`` checkpoint, its URL).
         files: ``{file name: "ok" | "no checksum recorded" | a problem}`` for every file the manifest lists.
         problems: one line per damage, each naming the file (and the tensor when one is known) and the numbers.
         tensors_checked: how many tensors had their crc32c compared.
@@ -62,7 +62,7 @@ class VerifyReport:
         hashes_checked: how many tensors had their xxh3-128 content hash compared (after their crc32c matched).
     """
 
-    folder: Path
+    folder: Path | str
     files: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     tensors_checked: int = 0

@@ -11,6 +11,7 @@ May import: layers 0-1 and other ``_io`` modules.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +33,7 @@ from fastckpt._io.object_project import (
 from fastckpt._io.object_store import ObjectUrl, open_store, remote_url
 from fastckpt.errors import MissingStateError
 
-__all__ = ["remote_target", "save_remote", "fetched", "opened", "pick_remote", "latest_remote"]
+__all__ = ["remote_target", "save_remote", "fetched", "opened", "named_as", "pick_remote", "latest_remote"]
 
 T = TypeVar("T")
 
@@ -102,8 +103,27 @@ def fetched(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: boo
             CheckpointChangedError: see :func:`fastckpt._io.object_commit.fetched_checkpoint`.
     """
     store, url = _resolve(url, project, model_only=model_only, storage_options=storage_options)
-    with fetched_checkpoint(store, url, save_id) as folder:
+    with fetched_checkpoint(store, url, save_id) as folder, named_as(folder, str(url)):
         yield folder
+
+
+@contextlib.contextmanager
+def named_as(local: Path, url: str) -> Iterator[None]:
+    """Errors and warnings raised inside that name ``local`` (a fetched copy, gone once the call returns) name
+    ``url`` instead: the exception's string arguments are rewritten in place (same type), the warnings are
+    re-issued after the block with the same category."""
+    where = str(local)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        except Exception as exc:
+            exc.args = tuple(a.replace(where, url) if isinstance(a, str) else a for a in exc.args)
+            raise
+        finally:
+            pending = list(caught)
+    for w in pending:
+        warnings.warn_explicit(str(w.message).replace(where, url), w.category, w.filename, w.lineno)
 
 
 @contextlib.contextmanager
@@ -115,7 +135,8 @@ def opened(url: ObjectUrl | None, project: ObjectUrl | None, *, model_only: bool
     store, url = _resolve(url, project, model_only=model_only, storage_options=storage_options)
     remote = RemoteCheckpoint(store, url, save_id)
     try:
-        yield remote
+        with named_as(remote.folder, str(url)):
+            yield remote
     finally:
         remote.close()
 

@@ -83,7 +83,11 @@ def committed_manifest(store: Any, url: ObjectUrl) -> dict[str, Any] | None:
         key = f"{url.prefix}/{MANIFESTS}/{numbers[-1]:010d}.json"
         data = store.get(key)
         if data is not None:
-            return _parse_manifest(store.url(key), data)
+            manifest = _parse_manifest(store.url(key), data)
+            if manifest.get("number") != numbers[-1]:
+                raise HeaderError(f"{store.url(key)}: records number {manifest.get('number')!r}, its name says "
+                                  f"{numbers[-1]} (a manifest copied or edited by hand is not a commit)")
+            return manifest
     raise CheckpointChangedError(f"{url}: its manifests changed {_RETRIES} times while being read; retry")
 
 

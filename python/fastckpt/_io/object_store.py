@@ -94,8 +94,11 @@ def open_store(bucket: str, storage_options: Mapping[str, Any] | None = None) ->
     builds its own, as the parent's runtime threads do not exist there).
 
     Raises:
-        ValueError: an unknown ``storage_options`` key or a bad value (named).
+        ValueError: an unknown ``storage_options`` key or a bad value (named). TypeError: not a mapping.
     """
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a mapping of S3 settings ({{'endpoint_url': ..., 'region': ...}}), "
+                        f"got {type(storage_options).__name__} {storage_options!r:.80}")
     options = tuple(sorted((str(k), str(v)) for k, v in (storage_options or {}).items()))
     key = (os.getpid(), bucket, options)
     with _lock:

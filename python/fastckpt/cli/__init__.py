@@ -18,11 +18,13 @@ Layer 5 (public). May import every private layer and the public modules; the sub
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -87,21 +89,34 @@ def _run_remote(args: argparse.Namespace) -> int | None:
     from fastckpt.errors import CheckpointError
 
     name = REMOTE_COMMANDS.get(args.command)
-    url = remote_url(getattr(args, name), name.upper()) if name is not None else None
-    if url is None:
-        return None
     try:
+        url = remote_url(getattr(args, name), name.upper()) if name is not None else None
+        if url is None:
+            return None
         with fetched(url, None, model_only=False, storage_options=None) as local:
-            print(f"{url}: every object matches its manifest (sizes, crc32c); reading the copy at {local}",
-                  file=sys.stderr)
+            print(f"{url}: every object matches its manifest (sizes, crc32c); reading it from memory", file=sys.stderr)
             setattr(args, name, str(local))
-            return args.run(args)
+            with contextlib.redirect_stdout(_Renaming(sys.stdout, str(local), str(url))):
+                return args.run(args)
     except CheckpointError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, FileNotFoundError) else 1
     except (OSError, ValueError) as exc:
         print(f"fastckpt {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+class _Renaming:
+    """A text stream that writes ``old`` as ``new`` (a subcommand's output names the URL, not the fetched copy)."""
+
+    def __init__(self, stream: Any, old: str, new: str) -> None:
+        self._stream, self._old, self._new = stream, old, new
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text.replace(self._old, self._new))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
