@@ -127,8 +127,10 @@ def load_sharded_remote(url: ObjectUrl | None, project: ObjectUrl | None, models
                         schedulers: list, *, model_only: bool, strict: bool, threads: int, timeout: float,
                         storage_options: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
     """An ``s3://`` checkpoint into sharded models on every rank: the main process picks the committed save (the
-    checkpoint at ``url``, or the latest under ``project``), every rank reads that save into memory (every object,
-    each crc32c checked) and refuses another one, every rank agrees, then the local sharded load runs on it."""
+    checkpoint at ``url``, or the latest under ``project``), every rank opens that save (refusing another one) and
+    reads its small files and each part's metadata into memory, every rank agrees, then the local sharded load runs
+    on it, each part reader fetching only the shard objects this rank's boxes come from (each crc32c checked as it
+    comes in; a model-only save's files are read whole)."""
     session = Session(f"load_state from {url if url is not None else project}", timeout)
     chosen, save_id = session.on_main(lambda: _picked(url, project, model_only, storage_options), step="find")
     with contextlib.ExitStack() as stack:
