@@ -1,0 +1,138 @@
+"""The storage interface: where checkpoints live, behind the same few verbs for every backend.
+
+A location (a local folder, an ``s3://`` URL, a memory-tier folder under ``/dev/shm``, a peer's replica, or a tiered
+composition of them) becomes one :class:`Storage` exactly once, at the public call
+(:func:`fastckpt._io.storage.resolve`). Everything below the entry points speaks these verbs and never branches on
+the scheme:
+
+==========================  ==========================================================================================
+verb                        meaning
+==========================  ==========================================================================================
+``Storage.begin(name)``     open a save: staged and invisible to readers until :meth:`StagedSave.commit`
+``StagedSave.write(plan)``  write every planned file from tensor memory into it (parallel, checksummed on the way)
+``StagedSave.commit()``     make it visible in one step, the manifest last; or refuse and leave the previous intact
+``StagedSave.abort()``      drop a staged save (idempotent; a dead process's staging is removed by the next save)
+``Storage.list()``          the committed checkpoints, oldest first (``checkpoint_{n}`` numbering, with the step)
+``Storage.open(ref)``       a pinned, validated view: every file of one load comes from the same committed save
+``Storage.remove(ref)``     remove one committed checkpoint (it stops counting at once; never half-removed)
+==========================  ==========================================================================================
+
+Conventions (what the conformance suite, ``tests/io/test_storage_conformance.py``, checks of every backend): a save
+that was not committed is never listed and never opened; a commit either makes the whole save visible or raises and
+changes nothing; :meth:`Storage.open` reads the manifest once and hands it down in the :class:`CheckpointView`;
+``list`` orders by checkpoint number; ``remove`` of a checkpoint being read leaves that reader's view intact.
+
+May import: layers 0-1 only (the backends import this, never the reverse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Committed", "CheckpointView", "StagedSave", "Storage"]
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed checkpoint of a :class:`Storage`.
+
+    Attributes:
+        location: how users and errors name it (a folder path or an ``s3://`` URL), as ``str``.
+        number: the ``n`` of ``checkpoint_{n}`` under automatic naming; None for a named location.
+        step: the training step its manifest records (``fastckpt.json``'s ``step``), None if it records none.
+        model_only: the manifest's mode is ``"model_only"``.
+    """
+
+    location: str
+    number: int | None
+    step: int | None = None
+    model_only: bool = False
+
+
+@dataclass
+class CheckpointView:
+    """A committed checkpoint opened for one load: pinned (every file comes from this one save) and validated.
+
+    Attributes:
+        location: the committed checkpoint's name for users (path or URL).
+        folder: a local path every file of the load is opened through (the pinned folder itself, a
+            ``/proc/self/fd`` path, or the in-memory copy of fetched objects).
+        manifest: the parsed ``fastckpt.json``, read once; lower layers take it from here instead of re-reading.
+        tier: which storage tier it came from (``"memory"``, ``"peer"``, ``"local"``, ``"remote"``).
+    """
+
+    location: str
+    folder: Path
+    manifest: Mapping[str, Any]
+    tier: str = "local"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class StagedSave(Protocol):
+    """A save opened by :meth:`Storage.begin`: invisible until :meth:`commit`."""
+
+    location: str
+
+    def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> dict[str, int]:
+        """Write every file of ``plan`` (a :class:`fastckpt._io.files.SavePlan`) from tensor memory, the checksums
+        summed on the way; returns ``{file name: bytes}``. ``options``: backend-specific (``ready``, ``progress``,
+        ``before_commit``). Raises OSError (names the file) and leaves nothing committed."""
+        ...
+
+    def commit(self) -> Committed:
+        """Make the save visible in one step, the manifest last. Raises (and commits nothing) if it cannot."""
+        ...
+
+    def abort(self) -> None:
+        """Drop everything this save staged. Idempotent; never touches a committed checkpoint."""
+        ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Where checkpoints live (one backend per sub-package of :mod:`fastckpt._io.storage`)."""
+
+    #: how errors and logs name it (a path or URL), as ``str``
+    location: str
+    #: the tier name a :class:`CheckpointView` of it carries
+    tier: str
+
+    def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> StagedSave:
+        """Open a staged save: ``name`` a checkpoint inside the storage, or None for the next ``checkpoint_{n}``."""
+        ...
+
+    def list(self, *, model_only: bool = False) -> list[Committed]:
+        """The committed checkpoints of one kind, oldest (lowest number) first."""
+        ...
+
+    def open(self, ref: Committed | None = None, *, verify: bool = True,
+             threads: int = 0) -> contextlib.AbstractContextManager[CheckpointView]:
+        """A pinned view of ``ref`` (None: the newest full checkpoint) for one load. ``verify``: every byte read
+        through it is checked against the manifest's crc32c (IntegrityError names file and tensor)."""
+        ...
+
+    def remove(self, ref: Committed) -> None:
+        """Remove one committed checkpoint; it stops being listed at once and is never left half-removed."""
+        ...
+
+
+def newest(storage: Storage, *, model_only: bool = False) -> Committed | None:
+    """The newest committed checkpoint of one kind of ``storage``, or None."""
+    found = storage.list(model_only=model_only)
+    return found[-1] if found else None
+
+
+@contextlib.contextmanager
+def staged(storage: Storage, name: str | None = None, **kwargs: Any) -> Iterator[StagedSave]:
+    """``begin`` a save and ``abort`` it if the block raises (a commit inside the block stays)."""
+    save = storage.begin(name, **kwargs)
+    try:
+        yield save
+    except BaseException:
+        save.abort()
+        raise
