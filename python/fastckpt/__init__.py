@@ -28,9 +28,11 @@ from fastckpt.errors import (
     MissingStateError,
     SaveCancelledError,
     ShapeMismatchError,
+    TierSkippedWarning,
     TruncatedFileError,
     UnsafePickleError,
 )
+from fastckpt.manager import CheckpointManager, Preempted
 
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
@@ -66,6 +68,9 @@ __all__ = [
     "AsyncSave",
     "TieredSave",
     "RngRestoreWarning",
+    "CheckpointManager",
+    "Preempted",
+    "TierSkippedWarning",
     "CheckpointError",
     "HeaderError",
     "TruncatedFileError",
