@@ -70,12 +70,15 @@ def seed_globals(seed: int = 1) -> None:
     torch.manual_seed(seed)
 
 
-def train_step(model, opt, sched, data, counter, width: int = 16) -> None:
-    """One step: the data order, torch / numpy / Python draws, dropout, AdamW, StepLR, the counter."""
+def train_step(model, opt, sched, data, counter, width: int = 16, sync=None) -> None:
+    """One step: the data order, torch / numpy / Python draws, dropout, AdamW, StepLR, the counter; ``sync``:
+    called with the model between ``backward()`` and ``opt.step()`` (the multi-process gradient all-reduce)."""
     item = data.next()
     x = torch.randn(4, width) + item + float(np.random.rand()) + random.random()
     loss = model(x).pow(2).mean()
     loss.backward()
+    if sync is not None:
+        sync(model)
     opt.step()
     opt.zero_grad()
     sched.step()

@@ -53,7 +53,7 @@ def assert_same(got: dict, want: dict) -> None:
         assert torch.equal(got[k], want[k]), k
 
 
-def first_run(tmp_path, total: int = TOTAL, **kw):
+def first_run(tmp_path, total: int = TOTAL, settle: bool = True, **kw):
     state = build()
     seed_globals()
     mgr = manager(tmp_path, state, **kw)
@@ -61,6 +61,8 @@ def first_run(tmp_path, total: int = TOTAL, **kw):
     for step in range(total):
         train_step(*state)
         mgr.step(step + 1)
+        if settle:  # each durable copy ends before the next save (none is superseded): a known durable tier
+            mgr.wait()
     return mgr, state
 
 
@@ -105,7 +107,7 @@ def test_continuous_saves_as_soon_as_durable(tmp_path):
 
 # -- saves and tiers -----------------------------------------------------------------------------------------------
 def test_memory_tier_holds_the_newest_and_durable_follows(tmp_path):
-    mgr, state = first_run(tmp_path, total=6, keep=2)
+    mgr, state = first_run(tmp_path, total=6, keep=2, settle=False)
     assert mgr.wait() == 6
     mem = sorted(p.name for p in (tmp_path / "mem" / "checkpoints").iterdir() if not p.name.startswith("."))
     assert mem == ["checkpoint_6"]

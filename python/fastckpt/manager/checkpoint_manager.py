@@ -36,7 +36,7 @@ from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
 from fastckpt.manager.schedule import Schedule
-from fastckpt.manager.state import build_plan, gather_rng
+from fastckpt.manager.state import Registered, build_plan, gather_rank_states
 
 __all__ = ["CheckpointManager"]
 
@@ -107,7 +107,7 @@ class CheckpointManager:
             raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
         self.optimizers = checked_list(optimizer, "optimizer")
         self.schedulers = checked_list(scheduler, "scheduler")
-        self.objects: list[Any] = []
+        self.objects: list[Registered] = []
         self.schedule = Schedule(every_n_steps=every_n_steps, every_seconds=every_seconds, continuous=continuous,
                                  mtbf=mtbf)
         for name, value, low in (("replicas", replicas, 0), ("keep", keep, 1), ("threads", threads, 0)):
@@ -158,11 +158,15 @@ class CheckpointManager:
         self._closed = False
 
     # -- extra state ---------------------------------------------------------------------------------------
-    def register_for_checkpointing(self, *objects: Any) -> None:
+    def register_for_checkpointing(self, *objects: Any, per_rank: bool = False) -> None:
         """Checkpoint ``objects`` too: anything with ``state_dict()`` / ``load_state_dict()`` (a sampler, a
         ``StatefulDataLoader``, counters, a ``GradScaler``, an EMA model), stored pickle-free as
         ``custom_checkpoint_{i}.safetensors`` in registration order (register the same objects in the same order
-        before :meth:`restore`).
+        before :meth:`restore`). Every process restores the saving process's state (replicated objects, as
+        accelerate saves the main process's). ``per_rank=True``: the object differs across processes (a
+        per-rank data order, a counter of local tokens): its state is gathered from every process at each save
+        (through the store: keep it small) and each process restores its own
+        (``custom_checkpoint_{i}_rank{r}.safetensors``).
 
         Raises:
             TypeError: an object without ``state_dict`` / ``load_state_dict``.
@@ -171,7 +175,7 @@ class CheckpointManager:
             if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
                 raise TypeError(f"{type(obj).__name__} has no state_dict() / load_state_dict(); it cannot be "
                                 "registered for checkpointing")
-            self.objects.append(obj)
+            self.objects.append(Registered(obj, per_rank=bool(per_rank)))
 
     @property
     def _state(self) -> tuple:
@@ -270,8 +274,8 @@ class CheckpointManager:
         started, clock = time.perf_counter(), time.monotonic()
         if self.replicator is not None:
             self.replicator.wait()
-        rng = gather_rng(step, self.timeout)
-        plan = build_plan(*self._state, step=step, rng_states=rng)
+        states = gather_rank_states(step, self.objects, self.timeout)
+        plan = build_plan(*self._state, step=step, rank_states=states)
         if self.memory is None:
             path = self._save_durably(plan, step)
         else:
