@@ -24,11 +24,12 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from fastckpt._io.async_writer import submit
-from fastckpt._io.commit import write_checkpoint
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed
-from fastckpt._io.layout import CHECKPOINTS_DIR, rotate_checkpoints
-from fastckpt._io.snapshot import has_device_tensors
+from fastckpt._io.async_save.snapshot import has_device_tensors
+from fastckpt._io.async_save.writer import submit
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed
+from fastckpt._io.storage.local.commit import write_checkpoint
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
+from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier, default_memory_root
 from fastckpt.errors import CheckpointError
 from fastckpt.manager.durable import DurableWriter
@@ -118,14 +119,14 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.remote = None
         if remote is not None:
-            from fastckpt._io.object_store import remote_url
+            from fastckpt._io.storage.object.store import remote_url
 
             self.remote = remote_url(remote, "remote")
             if self.remote is None:
                 raise ValueError(f"remote={remote!r} is not an s3:// URL")
         self.budget = None
         if host_memory_budget is not None:
-            from fastckpt._io.shards import parse_size
+            from fastckpt._io.storage.local.shards import parse_size
 
             self.budget = parse_size(host_memory_budget, "host_memory_budget")
         self.distributed = is_distributed()

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.layout import CHECKPOINTS_DIR, rotate_checkpoints
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
+from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier, copy_committed
 
 __all__ = ["DurableWriter"]
@@ -101,7 +102,7 @@ class DurableWriter:
         if self.keep is not None:
             rotate_checkpoints(self.project, self.keep)
         if self.remote is not None:
-            from fastckpt._io.object_tiered import start_tiered
+            from fastckpt._io.storage.tiered.upload import start_tiered
 
             start_tiered(target, self.remote, project_root=self.project, model_only=False, total_limit=self.keep,
                          storage_options=self.storage_options).wait()

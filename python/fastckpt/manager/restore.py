@@ -25,14 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fastckpt._io.distributed import Session
-from fastckpt._io.folder import pinned
-from fastckpt._io.integrity import verify_checkpoint
-from fastckpt._io.layout import checkpoint_numbers
+from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.integrity import verify_checkpoint
+from fastckpt._io.storage.local.numbering import checkpoint_numbers
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt._io.storage.peer import exchange, replica_sources, replica_tier
-from fastckpt.errors import CheckpointChangedError, CheckpointError, HeaderError, IntegrityError, MissingStateError
-from fastckpt.errors import TierSkippedWarning
+from fastckpt.errors import (
+    CheckpointChangedError,
+    CheckpointError,
+    HeaderError,
+    IntegrityError,
+    MissingStateError,
+    TierSkippedWarning,
+)
 from fastckpt.manager.state import plan_restore
 
 __all__ = ["Candidate", "restore_single", "restore_multi", "TIERS"]
@@ -78,7 +84,7 @@ def remote_candidate(remote: Any, storage_options: Any) -> Candidate | None:
     """The newest committed checkpoint under the ``remote`` project (``s3://``), or None."""
     if remote is None:
         return None
-    from fastckpt._io.object_api import latest_remote
+    from fastckpt._io.storage.object.api import latest_remote
 
     url = latest_remote(remote, model_only=False, storage_options=storage_options)
     m = _NUMBER.search(url or "")
@@ -91,8 +97,8 @@ def opened(c: Candidate, storage_options: Any) -> Any:
     if c.tier != "remote":
         yield c.folder
         return
-    from fastckpt._io.object_api import fetched
-    from fastckpt._io.object_store import remote_url
+    from fastckpt._io.storage.object.api import fetched
+    from fastckpt._io.storage.object.store import remote_url
 
     with fetched(remote_url(c.location, "remote"), None, model_only=False, storage_options=storage_options) as f:
         yield f

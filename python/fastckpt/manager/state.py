@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from fastckpt._io.distributed import Session, is_distributed
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.folder import open_safetensors
+from fastckpt._io.group.distributed import Session, is_distributed
+from fastckpt._io.storage.local.folder import open_safetensors
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._plan.load import plan_load
 from fastckpt._plan.save import build_save_plan

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _core
-from fastckpt._io.commit import fsync_dir, write_files
-from fastckpt._io.folder import pinned
-from fastckpt._io.layout import CHECKPOINTS_DIR, MANIFEST, checkpoint_numbers, read_manifest, remove_folders
-from fastckpt._io.staging import OwnedPath, clean_leftovers
 from fastckpt._io.storage.base import CheckpointView, Committed
+from fastckpt._io.storage.local.commit import fsync_dir, write_files
+from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, read_manifest
+from fastckpt._io.storage.local.numbering import checkpoint_numbers, remove_folders
+from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
 
 __all__ = ["MemorySave", "MemoryTier", "copy_committed", "default_memory_root", "job_id"]
 
@@ -78,7 +79,7 @@ class MemorySave:
     def write(self, plan: Any, *, durable: bool | None = None, threads: int = 0, **options: Any) -> dict[str, int]:
         """Write every file of ``plan`` (a :class:`fastckpt._io.files.SavePlan`) into the staging folder, the
         manifest last; ``options``: ``ready``, ``progress``, ``before_commit`` (see
-        :func:`fastckpt._io.commit.write_checkpoint`). Returns ``{file name: bytes}``."""
+        :func:`fastckpt._io.storage.local.commit.write_checkpoint`). Returns ``{file name: bytes}``."""
         durable = self.tier.durable if durable is None else durable
         self.files = write_files(plan, self.staging, save_id=secrets.token_hex(8), durable=durable, threads=threads,
                                  ready=options.get("ready"), file_mode=None, progress=options.get("progress"),

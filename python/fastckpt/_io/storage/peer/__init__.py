@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastckpt._io.layout import MANIFEST, read_manifest
+from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
 from fastckpt._io.storage.memory import MemorySave, MemoryTier
 
 __all__ = ["exchange", "peer_ranks", "replica_tier", "replica_sources", "send_folder", "recv_folder"]
