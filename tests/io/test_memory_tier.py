@@ -77,6 +77,20 @@ def test_open_checks_the_bytes_and_copy_commits_a_durable_copy(tmp_path):
             open_safetensors(view.folder / "model.safetensors")
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_durable_copy_from_shared_memory_to_another_file_system(tmp_path):
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        tier = MemoryTier(shm)
+        save = tier.begin(step=4)
+        save.write(plan(4))
+        save.commit()
+        target = copy_committed(tier.folder / "checkpoint_4", tmp_path / "checkpoints" / "checkpoint_4")
+        assert fastckpt.verify_checkpoint(target).ok
+        assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in (tier.folder / "checkpoint_4").iterdir())
+
+
 @pytest.mark.parametrize(("rank", "world", "k", "local", "want"), [
     (0, 2, 1, 2, [1]),            # one machine: the next rank
     (3, 4, 2, 4, [0, 1]),
