@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers.recovery_loop import Counter, DataOrder, fingerprint, seed_globals, train_step
 from torch import nn
 
 import fastckpt
+from helpers.recovery_loop import Counter, DataOrder, fingerprint, seed_globals, train_step
 
 OUT = Path(sys.argv[1])
 TOTAL, EVERY, K = 10, 3, 4

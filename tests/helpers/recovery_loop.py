@@ -89,7 +89,7 @@ def train_step(model, opt, sched, data, counter, width: int = 16, sync=None) -> 
 def fingerprint(model, opt, sched, data, counter) -> dict[str, torch.Tensor]:
     """Everything a resume must reproduce, as tensors (plus the next draws of every global RNG)."""
     out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for i, (k, st) in enumerate(opt.state_dict()["state"].items()):
+    for i, (_k, st) in enumerate(opt.state_dict()["state"].items()):
         for name, t in st.items():
             out[f"opt.{i}.{name}"] = torch.as_tensor(t).clone()
     out["lr"] = torch.tensor(sched.get_last_lr())
@@ -109,8 +109,9 @@ def reference(total: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> int:
-    import fastckpt
     from safetensors.torch import save_file
+
+    import fastckpt
 
     project, memory, total, every = argv[0], argv[1], int(argv[2]), int(argv[3])
     wait = "--wait" in argv

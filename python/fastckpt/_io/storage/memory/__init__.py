@@ -15,6 +15,7 @@ May import: layers 0-2.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -211,14 +212,19 @@ def _copy_one(src: Path, dst: Path, durable: bool) -> int:
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         size = os.fstat(fin.fileno()).st_size
         done = 0
-        while done < size:  # copy_file_range: in the kernel, no trip through this process's memory
-            n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
-            if n == 0:
-                break
-            done += n
+        try:  # copy_file_range: in the kernel, no trip through this process's memory
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as exc:  # tmpfs to another file system (EXDEV before Linux 5.19), or not supported
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                raise
         if done != size:
             fin.seek(done)
-            shutil.copyfileobj(fin, fout)
+            fout.seek(done)
+            shutil.copyfileobj(fin, fout, 16 << 20)
         if durable:
             fout.flush()
             os.fsync(fout.fileno())

@@ -48,24 +48,20 @@ def replica_sources(memory_root: Path) -> list[int]:
 
 
 def peer_ranks(rank: int, world: int, replicas: int, local_world: int | None = None) -> list[int]:
-    """The ranks that hold ``rank``'s replicas: ``rank + j * stride`` (mod ``world``) for j = 1..``replicas``,
-    ``stride`` = ``local_world`` (processes per machine, ``LOCAL_WORLD_SIZE``) when there are several machines, so
-    each replica lands on another machine where there is one; else 1 (on one machine: simply the next ranks).
-    At most ``world - 1`` distinct peers."""
+    """The ``replicas`` ranks that hold ``rank``'s replicas: ranks on other machines first (``local_world``
+    processes per machine, ``LOCAL_WORLD_SIZE``; the same local rank on the next machines before the others), then
+    the ones on the same machine, each group by distance ``(peer - rank) mod world``. On one machine: simply the
+    next ranks. At most ``world - 1``."""
     if world < 2 or replicas < 1:
         return []
     local = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-    stride = local if 0 < local < world and world % local == 0 else 1
-    out: list[int] = []
-    for j in range(1, world):
-        peer = (rank + j * stride) % world
-        if peer == rank:  # wrapped around within one machine's stride: continue with the neighbours
-            peer = (rank + j) % world
-        if peer != rank and peer not in out:
-            out.append(peer)
-        if len(out) == replicas:
-            break
-    return out
+    stride = local if 0 < local < world and world % local == 0 else world
+
+    def key(d: int) -> tuple[bool, bool, int]:
+        peer = (rank + d) % world
+        return peer // stride == rank // stride, d % stride != 0, d
+
+    return [(rank + d) % world for d in sorted(range(1, world), key=key)[:replicas]]
 
 
 def _header(folder: Path | None) -> tuple[bytes, list[Path]]:
