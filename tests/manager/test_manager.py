@@ -256,3 +256,43 @@ def test_a_failed_background_save_is_raised_at_the_next_step(tmp_path):
     assert "background durable save" in "".join(getattr(info.value, "__notes__", []))
     mgr.wait()  # raised once
     mgr.close()
+
+
+def test_exit_on_preemption_false_returns_and_sets_preempted(tmp_path):
+    state = build()
+    mgr = manager(tmp_path, state)
+    train_step(*state)
+    mgr.request_preemption(signal.SIGUSR1)  # as a framework callback or a scheduler's notice API would
+    assert mgr.preemption_requested
+    assert mgr.step(1, exit_on_preemption=False) is True
+    assert mgr.preempted is not None and mgr.preempted.step == 1 and mgr.preempted.signum == signal.SIGUSR1
+    fastckpt.verify_checkpoint(tmp_path / "proj" / "checkpoints" / "checkpoint_1")
+
+
+def test_host_memory_budget_refuses_a_larger_state(tmp_path):
+    state = build()
+    mgr = manager(tmp_path, state, host_memory_budget=1000)
+    train_step(*state)
+    with pytest.raises(ValueError, match="host_memory_budget=1000 bytes"):
+        mgr.step(2)
+    assert fastckpt.latest_checkpoint(tmp_path / "mem") is None
+    with pytest.raises(ValueError, match="every_n_steps"):
+        manager(tmp_path, state, every_n_steps=0)
+
+
+def test_a_failed_background_save_nobody_waited_for_is_reported_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "checkpoints").write_text("a file where the durable tier goes")
+    script = (
+        "import torch, fastckpt\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        f"mgr = fastckpt.CheckpointManager({str(tmp_path / 'proj')!r}, m, every_n_steps=1, "
+        f"memory={str(tmp_path / 'mem')!r})\n"
+        "mgr.step(1)\n"  # the script ends without close(): the durable copy fails in the background
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "fastckpt: a CheckpointManager background save to" in proc.stderr
+    assert "failed and nobody waited for it" in proc.stderr and "checkpoints" in proc.stderr
