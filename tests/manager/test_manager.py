@@ -296,3 +296,71 @@ def test_a_failed_background_save_nobody_waited_for_is_reported_at_exit(tmp_path
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "fastckpt: a CheckpointManager background save to" in proc.stderr
     assert "failed and nobody waited for it" in proc.stderr and "checkpoints" in proc.stderr
+
+
+class Trap:
+    """A registered object that sends SIGTERM to this process from inside a save (its ``state_dict``, called while
+    the manager writes the memory tier) or from inside a restore (its ``load_state_dict``)."""
+
+    def __init__(self) -> None:
+        self.on_save: set[int] = set()
+        self.on_restore = False
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        if self.step in self.on_save:
+            self.on_save.discard(self.step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.on_restore:
+            self.on_restore = False
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_twenty_sigterms_at_random_moments_lose_nothing(tmp_path):
+    """C29: 20 SIGTERMs in one job, each at a random step and moment (mid-step, during a save, during the restore);
+    every one leaves the step reached durable and the job, restarted 20 times, ends equal to the uninterrupted one."""
+    import random
+
+    total = 44
+    rng = random.Random(29)
+    preempted_at, moments = [], []
+    finished = None
+    for _ in range(21):
+        state = build()
+        seed_globals()
+        trap = Trap()
+        mgr = manager(tmp_path, state, every_n_steps=3)
+        mgr.register_for_checkpointing(trap)
+        moment = rng.choice(["step", "save", "restore"]) if len(preempted_at) < 20 else None
+        if moment == "restore" and not preempted_at:
+            moment = "step"  # nothing to restore yet
+        trap.on_restore = moment == "restore"
+        start = mgr.restore()
+        if moment is not None and moment != "restore":
+            at = rng.randrange(start + 1, start + 3)
+            if moment == "save":  # inside the next due save at or after `at`: acted on at the step after it
+                at = next(s for s in range(at, total) if s % 3 == 0)
+                trap.on_save.add(at)
+        try:
+            for step in range(start, total):
+                train_step(*state)
+                trap.step = step + 1
+                if moment == "step" and step + 1 == at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                mgr.step(step + 1)
+        except fastckpt.Preempted as exc:
+            want = {"step": at, "save": at + 1, "restore": start + 1}[moment]
+            assert exc.step == want, (moment, start)
+            assert fastckpt.latest_checkpoint(tmp_path / "proj").name == f"checkpoint_{want}"
+            preempted_at.append(exc.step)
+            moments.append(moment)
+            continue
+        mgr.close()
+        finished = fingerprint(*state)
+        break
+    assert len(preempted_at) == 20 and preempted_at == sorted(preempted_at)
+    assert {m: moments.count(m) for m in set(moments)} == {"step": 9, "save": 5, "restore": 6}
+    assert_same(finished, reference(total))
