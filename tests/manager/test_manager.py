@@ -364,3 +364,14 @@ def test_twenty_sigterms_at_random_moments_lose_nothing(tmp_path):
     assert len(preempted_at) == 20 and preempted_at == sorted(preempted_at)
     assert {m: moments.count(m) for m in set(moments)} == {"step": 9, "save": 5, "restore": 6}
     assert_same(finished, reference(total))
+
+
+def test_young_daly_interval_from_the_measured_save_cost(tmp_path):
+    state = build()
+    mgr = manager(tmp_path, state, every_n_steps=None, mtbf=1e-9)
+    assert mgr.interval_seconds is None
+    train_step(*state)
+    assert mgr.step(1)  # the first save measures the cost
+    cost = mgr.schedule.cost
+    assert cost > 0 and mgr.interval_seconds == young_daly_interval(cost, 1e-9)
+    mgr.close()

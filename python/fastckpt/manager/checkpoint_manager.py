@@ -106,6 +106,11 @@ class CheckpointManager:
         self.models = checked_list(model, "model")
         if not self.models:
             raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
+        from fastckpt._state.sharded import is_sharded
+
+        if is_sharded(self.models):
+            raise ValueError("CheckpointManager manages replicated (DDP-style) states; sharded (FSDP2 / DTensor) "
+                             "models are not supported yet: save them with fastckpt.save_state on every rank")
         self.optimizers = checked_list(optimizer, "optimizer")
         self.schedulers = checked_list(scheduler, "scheduler")
         self.objects: list[Registered] = []
