@@ -17,6 +17,8 @@ all-reduce's summation order; with 2 processes the sum of two values does not de
 - damaged_memory: replicas=1; a flipped byte in rank 0's memory tier: rank 0 warns (TierSkippedWarning) and restores
   from the peer holding its replica, the others from their memory tiers.
 - durable_only: every memory tier deleted: every rank restores from the local durable tier.
+- continuous: ``continuous=True``: the main process proposes each save through the store when the previous one is
+  durable; every rank must save at the same steps.
 """
 
 from __future__ import annotations
@@ -154,12 +156,28 @@ def scenarios(rank: int, world: int) -> None:
     mgr.close()
 
 
+def continuous(rank: int) -> None:
+    state = build(rank)
+    seed_globals(1 + rank)
+    mgr = fastckpt.CheckpointManager(OUT / "continuous" / "proj", *state[:3], continuous=True,
+                                     memory=OUT / "continuous" / f"mem{rank}", timeout=60)
+    saved = []
+    for step in range(8):
+        train_step(*state, sync=average_gradients)
+        if mgr.step(step + 1):
+            saved.append(step + 1)
+        mgr.wait()  # rank 0: the durable copy ends within the step, so the next save is proposed at once
+    mgr.close()
+    checks["continuous_saved"] = saved
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         scenarios(rank, world)
+        continuous(rank)
         checks["crash"] = None
     except BaseException:
         checks["crash"] = traceback.format_exc()[-4000:]

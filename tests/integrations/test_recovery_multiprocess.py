@@ -66,3 +66,10 @@ def test_every_memory_tier_lost_restores_the_durable_tier(run):
     world, out, results = run
     assert [res["durable_restart"] for res in results] == [[6, "local"]] * world
     assert all(res["durable_equal"] is True for res in results)
+
+
+def test_continuous_saves_are_agreed(run):
+    world, out, results = run
+    saved = [res["continuous_saved"] for res in results]
+    # proposed by the main process at the step after a save was durable, for the next step: every other step
+    assert saved == [[2, 4, 6, 8]] * world

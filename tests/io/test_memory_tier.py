@@ -100,3 +100,15 @@ def test_durable_copy_from_shared_memory_to_another_file_system(tmp_path):
 ])
 def test_peer_ranks(rank, world, k, local, want):
     assert peer_ranks(rank, world, k, local) == want
+
+
+def test_default_root_is_per_job_and_rank(tmp_path, monkeypatch):
+    from fastckpt._io.storage.memory import default_memory_root
+
+    monkeypatch.delenv("FASTCKPT_JOB_ID", raising=False)
+    a = default_memory_root(tmp_path / "run", 3)
+    assert a == default_memory_root(tmp_path / "run", 3)  # a restart finds it again
+    assert a.name == "rank3" and a.parent.name.startswith("fastckpt-run-")
+    assert a != default_memory_root(tmp_path / "other" / "run", 3)
+    monkeypatch.setenv("FASTCKPT_JOB_ID", "job/42")
+    assert default_memory_root(tmp_path / "run", 0).parent.name == "fastckpt-job_42"

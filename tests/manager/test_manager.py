@@ -256,3 +256,122 @@ def test_a_failed_background_save_is_raised_at_the_next_step(tmp_path):
     assert "background durable save" in "".join(getattr(info.value, "__notes__", []))
     mgr.wait()  # raised once
     mgr.close()
+
+
+def test_exit_on_preemption_false_returns_and_sets_preempted(tmp_path):
+    state = build()
+    mgr = manager(tmp_path, state)
+    train_step(*state)
+    mgr.request_preemption(signal.SIGUSR1)  # as a framework callback or a scheduler's notice API would
+    assert mgr.preemption_requested
+    assert mgr.step(1, exit_on_preemption=False) is True
+    assert mgr.preempted is not None and mgr.preempted.step == 1 and mgr.preempted.signum == signal.SIGUSR1
+    fastckpt.verify_checkpoint(tmp_path / "proj" / "checkpoints" / "checkpoint_1")
+
+
+def test_host_memory_budget_refuses_a_larger_state(tmp_path):
+    state = build()
+    mgr = manager(tmp_path, state, host_memory_budget=1000)
+    train_step(*state)
+    with pytest.raises(ValueError, match="host_memory_budget=1000 bytes"):
+        mgr.step(2)
+    assert fastckpt.latest_checkpoint(tmp_path / "mem") is None
+    with pytest.raises(ValueError, match="every_n_steps"):
+        manager(tmp_path, state, every_n_steps=0)
+
+
+def test_a_failed_background_save_nobody_waited_for_is_reported_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "checkpoints").write_text("a file where the durable tier goes")
+    script = (
+        "import torch, fastckpt\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        f"mgr = fastckpt.CheckpointManager({str(tmp_path / 'proj')!r}, m, every_n_steps=1, "
+        f"memory={str(tmp_path / 'mem')!r})\n"
+        "mgr.step(1)\n"  # the script ends without close(): the durable copy fails in the background
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "fastckpt: a CheckpointManager background save to" in proc.stderr
+    assert "failed and nobody waited for it" in proc.stderr and "checkpoints" in proc.stderr
+
+
+class Trap:
+    """A registered object that sends SIGTERM to this process from inside a save (its ``state_dict``, called while
+    the manager writes the memory tier) or from inside a restore (its ``load_state_dict``)."""
+
+    def __init__(self) -> None:
+        self.on_save: set[int] = set()
+        self.on_restore = False
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        if self.step in self.on_save:
+            self.on_save.discard(self.step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.on_restore:
+            self.on_restore = False
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_twenty_sigterms_at_random_moments_lose_nothing(tmp_path):
+    """C29: 20 SIGTERMs in one job, each at a random step and moment (mid-step, during a save, during the restore);
+    every one leaves the step reached durable and the job, restarted 20 times, ends equal to the uninterrupted one."""
+    import random
+
+    total = 44
+    rng = random.Random(29)
+    preempted_at, moments = [], []
+    finished = None
+    for _ in range(21):
+        state = build()
+        seed_globals()
+        trap = Trap()
+        mgr = manager(tmp_path, state, every_n_steps=3)
+        mgr.register_for_checkpointing(trap)
+        moment = rng.choice(["step", "save", "restore"]) if len(preempted_at) < 20 else None
+        if moment == "restore" and not preempted_at:
+            moment = "step"  # nothing to restore yet
+        trap.on_restore = moment == "restore"
+        start = mgr.restore()
+        if moment is not None and moment != "restore":
+            at = rng.randrange(start + 1, start + 3)
+            if moment == "save":  # inside the next due save at or after `at`: acted on at the step after it
+                at = next(s for s in range(at, total) if s % 3 == 0)
+                trap.on_save.add(at)
+        try:
+            for step in range(start, total):
+                train_step(*state)
+                trap.step = step + 1
+                if moment == "step" and step + 1 == at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                mgr.step(step + 1)
+        except fastckpt.Preempted as exc:
+            want = {"step": at, "save": at + 1, "restore": start + 1}[moment]
+            assert exc.step == want, (moment, start)
+            assert fastckpt.latest_checkpoint(tmp_path / "proj").name == f"checkpoint_{want}"
+            preempted_at.append(exc.step)
+            moments.append(moment)
+            continue
+        mgr.close()
+        finished = fingerprint(*state)
+        break
+    assert len(preempted_at) == 20 and preempted_at == sorted(preempted_at)
+    assert {m: moments.count(m) for m in set(moments)} == {"step": 9, "save": 5, "restore": 6}
+    assert_same(finished, reference(total))
+
+
+def test_young_daly_interval_from_the_measured_save_cost(tmp_path):
+    state = build()
+    mgr = manager(tmp_path, state, every_n_steps=None, mtbf=1e-9)
+    assert mgr.interval_seconds is None
+    train_step(*state)
+    assert mgr.step(1)  # the first save measures the cost
+    cost = mgr.schedule.cost
+    assert cost > 0 and mgr.interval_seconds == young_daly_interval(cost, 1e-9)
+    mgr.close()

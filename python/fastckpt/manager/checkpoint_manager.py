@@ -106,6 +106,11 @@ class CheckpointManager:
         self.models = checked_list(model, "model")
         if not self.models:
             raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
+        from fastckpt._state.sharded import is_sharded
+
+        if is_sharded(self.models):
+            raise ValueError("CheckpointManager manages replicated (DDP-style) states; sharded (FSDP2 / DTensor) "
+                             "models are not supported yet: save them with fastckpt.save_state on every rank")
         self.optimizers = checked_list(optimizer, "optimizer")
         self.schedulers = checked_list(scheduler, "scheduler")
         self.objects: list[Registered] = []
@@ -156,6 +161,8 @@ class CheckpointManager:
         self.restored_step: int | None = None
         self.last_saved: int | None = None
         self.preempt_seconds: float | None = None
+        #: the :class:`Preempted` of a preemption save (set before it is raised; see ``exit_on_preemption``)
+        self.preempted: Preempted | None = None
         self._closed = False
 
     # -- extra state ---------------------------------------------------------------------------------------
@@ -199,8 +206,7 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         if self.distributed:
-            c, _ = restore_multi(self.memory or MemoryTier(default_memory_root(self.project, self.rank)),
-                                 self.project, self.remote, self.storage_options, self._state, group=self.group,
+            c, _ = restore_multi(self.memory, self.project, self.remote, self.storage_options, self._state, group=self.group,
                                  timeout=self.timeout, threads=self.threads)
         else:
             cands = local_candidates(self.memory, self.project)
@@ -226,10 +232,16 @@ class CheckpointManager:
         """Whether :meth:`step` would save at ``step`` by the ``every_n_steps`` schedule."""
         return self.schedule.due_by_steps(step)
 
-    def step(self, step: int) -> bool:
+    def step(self, step: int, *, exit_on_preemption: bool = True) -> bool:
         """Call after each optimizer step with the number of steps done: saves when due (committed in the memory
         tier when it returns, durable in the background); after a preemption signal saves ``step`` durably and
         raises :class:`Preempted`.
+
+        Args:
+            step: optimizer steps done (int >= 0; the same on every process).
+            exit_on_preemption: False (a framework callback that stops training its own way): after the
+                preemption save, return True and set :attr:`preempted` (the :class:`Preempted` it would raise)
+                instead of raising.
 
         Returns:
             Whether a save was made at ``step``.
@@ -254,7 +266,10 @@ class CheckpointManager:
             act = event[1]
             self.board.consume()
         if act == "preempt":
-            self._preempt(step)
+            self.preempted = self._preempt(step)
+            if exit_on_preemption:
+                raise self.preempted
+            return True
         if act == "save" or self.schedule.due_by_steps(step):
             self.save_now(step)
             return True
@@ -355,7 +370,7 @@ class CheckpointManager:
 
         return Session(f"CheckpointManager save of step {step}", self.timeout).on_main(write)
 
-    def _preempt(self, step: int) -> None:
+    def _preempt(self, step: int) -> Preempted:
         signum = self.signals.signum or signal.SIGTERM
         at = self.signals.at or time.monotonic()
         if self.last_saved != step:
@@ -374,7 +389,7 @@ class CheckpointManager:
         logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
                        signum, step, path, self.preempt_seconds)
         self.close(clear_memory=False)
-        raise Preempted(self.exit_code, step=step, signum=signum, path=path)
+        return Preempted(self.exit_code, step=step, signum=signum, path=path)
 
     def _check_background(self) -> None:
         if self.durable is not None:

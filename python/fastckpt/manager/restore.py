@@ -201,7 +201,7 @@ def decide(reports: list[dict[str, Any]], project: Path, *, threads: int) -> dic
     return {"step": None, "sources": []}
 
 
-def restore_multi(memory: MemoryTier, project: Path, remote: Any, storage_options: Any, objects: tuple, *,
+def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, objects: tuple, *,
                   group: Any, timeout: float, threads: int) -> tuple[Candidate | None, Any]:
     """The agreed restore of several processes (see the module docs); returns this rank's source and plan."""
     session = Session("CheckpointManager.restore", timeout)
@@ -215,7 +215,7 @@ def restore_multi(memory: MemoryTier, project: Path, remote: Any, storage_option
     error: BaseException | None = None
     try:  # replicas travel to the ranks that lost their memory tier (every rank walks the same list)
         for r, src in enumerate(choice["sources"]):
-            if src[0] != "peer":
+            if src[0] != "peer" or memory is None:
                 continue
             holder = src[1]
             if rank == holder:
@@ -226,7 +226,8 @@ def restore_multi(memory: MemoryTier, project: Path, remote: Any, storage_option
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = exc
     mine = choice["sources"][rank]
-    where = {"memory": memory.folder / f"checkpoint_{step}", "peer": memory.folder / f"checkpoint_{step}",
+    own = memory.folder if memory is not None else project / "checkpoints"  # memory / peer need a memory tier
+    where = {"memory": own / f"checkpoint_{step}", "peer": own / f"checkpoint_{step}",
              "local": project / "checkpoints" / f"checkpoint_{step}"}
     c = Candidate(step, mine[0], mine[1] if mine[0] == "remote" else str(where[mine[0]]),
                   None if mine[0] == "remote" else where[mine[0]])
