@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import time
 from datetime import timedelta
@@ -26,7 +27,13 @@ import torch.distributed as dist
 
 from fastckpt._io.async_save.snapshot import has_device_tensors
 from fastckpt._io.async_save.writer import submit
-from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed
+from fastckpt._io.group.distributed import (
+    DEFAULT_TIMEOUT,
+    Session,
+    broadcast_from_main,
+    check_timeout,
+    is_distributed,
+)
 from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
@@ -153,8 +160,12 @@ class CheckpointManager:
         if self.distributed and replicas and self.memory is not None:
             self.replicator = Replicator(self.memory, rank=self.rank, world=self.world, replicas=replicas,
                                          group=self.group)
-        store = dist.distributed_c10d._get_default_store() if self.distributed else None
-        self.board = EventBoard(store, f"fastckpt/manager/{_managers}")
+        store, prefix = None, f"fastckpt/manager/{_managers}"
+        if self.distributed:  # a name no earlier launch sharing the store (an elastic restart) used
+            store = dist.distributed_c10d._get_default_store()
+            prefix += "/" + broadcast_from_main(secrets.token_hex(8) if self.rank == 0 else None,
+                                                what="CheckpointManager: naming its store keys", timeout=self.timeout)
+        self.board = EventBoard(store, prefix)
         self.signals = SignalRecorder(tuple(preemption_signals))
         self.signals.install()
         self.restored_from: str | None = None
