@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers.common import official_model_file
 
-
 #: Test modules that launch multi-process worlds (torchrun): under pytest-xdist they form one group, run one after
 #: another on one worker (two worlds never compete for the cores and their collective timeouts), first, beside the
 #: single-process tests on the other workers; ``make test-quick`` leaves them out (marker ``launches``).
