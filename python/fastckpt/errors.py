@@ -24,6 +24,7 @@ __all__ = [
     "IntegrityError",
     "ShapeMismatchError",
     "DtypeError",
+    "TensorSubclassError",
     "UnsafePickleError",
     "ClosedFileError",
     "MetaTensorError",
@@ -64,6 +65,13 @@ class IntegrityError(CheckpointError, ValueError):
 
 class DtypeError(CheckpointError, TypeError):
     """A dtype that cannot be stored, or a stored dtype that does not match its destination."""
+
+
+class TensorSubclassError(CheckpointError, TypeError):
+    """A tensor subclass fastckpt cannot store or fill exactly: not a traceable wrapper subclass (no
+    ``__tensor_flatten__``), a nested one, one whose flatten context JSON cannot hold, or a saved subclass meeting a
+    live tensor of another class or settings. Raised before anything is written or changed; the message names the
+    tensor and its type."""
 
 
 class ShapeMismatchError(CheckpointError, ValueError):
