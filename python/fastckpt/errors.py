@@ -33,6 +33,7 @@ __all__ = [
     "ConcurrentModificationError",
     "SaveCancelledError",
     "ConcurrentSaveError",
+    "ResumeWarning",
 ]
 
 
@@ -132,3 +133,9 @@ class ConcurrentSaveError(CheckpointError, FileExistsError):
     """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
     conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
     were removed. The message names the manifest object."""
+
+
+class ResumeWarning(UserWarning):
+    """A resume restores less than a full training state: the message names the folder and what starts fresh (e.g.
+    the optimizer, scheduler and RNG states of a Trainer resumed from a ``save_only_model`` checkpoint), so the run
+    from there differs from an uninterrupted one. A warning, not an error: the run goes on as the caller asked."""
