@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastckpt._io.files import SavePlan
 from fastckpt._io.object_commit import (
     RemoteCheckpoint,
+    as_fetched,
     committed_manifest,
     fetched_checkpoint,
     save_object_checkpoint,
@@ -118,12 +119,12 @@ def named_as(local: Path, url: str) -> Iterator[None]:
         try:
             yield
         except Exception as exc:
-            exc.args = tuple(a.replace(where, url) if isinstance(a, str) else a for a in exc.args)
+            exc.args = tuple(as_fetched(a, where, url) if isinstance(a, str) else a for a in exc.args)
             raise
         finally:
             pending = list(caught)
     for w in pending:
-        warnings.warn_explicit(str(w.message).replace(where, url), w.category, w.filename, w.lineno)
+        warnings.warn_explicit(as_fetched(str(w.message), where, url), w.category, w.filename, w.lineno)
 
 
 @contextlib.contextmanager

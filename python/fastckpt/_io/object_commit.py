@@ -603,6 +603,14 @@ class RemoteCheckpoint:
         self._space.close()
 
 
+def as_fetched(text: str, local: str, url: str) -> str:
+    """A message about the fetched copy at ``local``, made about ``url``: the copy's path becomes the URL and "on
+    disk" (the copy's bytes came from the store) becomes "in the store"; text that names no ``local`` is kept."""
+    if local not in text:
+        return text
+    return text.replace(local, url).replace(" on disk", " in the store")
+
+
 def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects: dict[str, Any],
                    crcs: dict[str, int]) -> None:
     from fastckpt._io.integrity import check_checkpoint
@@ -610,5 +618,5 @@ def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects:
     report = check_checkpoint(folder, only=bad)
     lines = [f"{store.url(f'{base}/{n}')}: crc32c {_crc_hex(crcs[n])} read, {objects[n]['crc32c']} recorded"
              for n in bad]
-    detail = report.message().replace(f"{folder}/", store.url(base) + "/").replace(str(folder), store.url(base))
+    detail = as_fetched(report.message(), str(folder), store.url(base))
     raise IntegrityError("; ".join(lines) + (f" ({detail})" if not report.ok else ""))
