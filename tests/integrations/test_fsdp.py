@@ -234,7 +234,7 @@ def test_model_only_save_is_the_one_process_folder(runs, one_thread, tmp_path, k
 
     with pytest.raises(fastckpt.MissingStateError, match=rf"^{folder}: already a model folder \(model.safetensors"
                                                          rf"{'.index.json' if split else ''}\), not a DCP checkpoint"):
-        from fastckpt._io.dcp_consolidate import consolidate
+        from fastckpt._io.dcp.consolidate import consolidate
 
         consolidate(folder, tmp_path / "hf")
     assert main(["consolidate", str(folder), str(tmp_path / "hf")]) == 2
@@ -302,8 +302,8 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
 @pytest.fixture
 def fetch():
     """``fetch(url)``: a context giving the committed ``s3://`` checkpoint as a local folder (one process)."""
-    from fastckpt._io.object_api import fetched
-    from fastckpt._io.object_store import parse_url
+    from fastckpt._io.storage.object.api import fetched
+    from fastckpt._io.storage.object.store import parse_url
 
     return lambda url: fetched(parse_url(url, "url"), None, model_only=False, storage_options=None)
 
