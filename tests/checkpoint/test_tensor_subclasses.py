@@ -192,3 +192,12 @@ def test_torchao_float8_training_saves_and_resumes_exactly(tmp_path):
         m(x).sum().backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+@pytest.mark.parametrize("kwargs", [{"trainable_only": True}, {"compat": "accelerate"}],
+                         ids=["trainable_only", "accelerate"])
+def test_saves_that_cannot_record_a_subclass_refuse_it_before_writing(tmp_path, kwargs):
+    model, opt = _trained()
+    with pytest.raises(TensorSubclassError, match=rf"^tensor subclass\(es\) '0.weight' \({__name__}.Int8Weight\): "):
+        fastckpt.save_state(model, opt, output_dir=tmp_path / "ckpt", **kwargs)
+    assert os.listdir(tmp_path) == []

@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from fastckpt._format.codec import encode
 from fastckpt.errors import TensorSubclassError
 
-__all__ = ["TENSOR_NAMES", "is_plain", "inner_key", "flatten_subclasses", "stored_records", "expand_live"]
+__all__ = ["TENSOR_NAMES", "is_plain", "inner_key", "flatten_subclasses", "stored_records", "expand_live",
+           "refuse_subclasses"]
 
 #: the metadata key listing the subclass tensors of a file (JSON list of names)
 TENSOR_NAMES = "tensor_names"
@@ -203,3 +204,17 @@ def expand_live(live: Mapping[str, Any], records: Mapping[str, tuple[Any, dict[s
         else:
             out[name] = t
     return out
+
+
+def refuse_subclasses(metadata: Mapping[str, str], *, why: str) -> None:
+    """Raise when a collected model state (``collect_model_state``'s metadata) holds subclass tensors that the
+    requested save cannot record (``why`` says which save and what to do instead).
+
+    Raises:
+        TensorSubclassError: naming the subclass tensors and their types.
+    """
+    if TENSOR_NAMES not in metadata:
+        return
+    names = json.loads(metadata[TENSOR_NAMES])
+    kinds = ", ".join(f"{n!r} ({json.loads(metadata[n])['_type']})" for n in names)
+    raise TensorSubclassError(f"tensor subclass(es) {kinds}: {why}")
