@@ -230,6 +230,14 @@ def test_model_only_save_is_the_one_process_folder(runs, one_thread, tmp_path, k
     fastckpt.verify_checkpoint(folder)  # every file with its recorded checksums
     for rank, res in enumerate(results[world]):
         assert res[f"weights_back_{kind}"] is True, rank
+    from fastckpt.cli import main  # issue 27 item 8: consolidate says it is a model folder already
+
+    with pytest.raises(fastckpt.MissingStateError, match=rf"^{folder}: already a model folder \(model.safetensors"
+                                                         rf"{'.index.json' if split else ''}\), not a DCP checkpoint"):
+        from fastckpt._io.dcp.consolidate import consolidate
+
+        consolidate(folder, tmp_path / "hf")
+    assert main(["consolidate", str(folder), str(tmp_path / "hf")]) == 2
 
 
 @pytest.mark.parametrize("world", [2, 4])

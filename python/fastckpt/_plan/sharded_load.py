@@ -22,6 +22,7 @@ import torch
 from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._io.storage.local.folder import verify_file
 from fastckpt._io.storage.local.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
 from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
@@ -264,9 +265,8 @@ def _check_part_files(folder: Path, sharded: dict[str, Any], *, stat: bool = Tru
         if not stat:
             continue
         try:
-            size = path.stat().st_size
+            problem = recorded_size_problem(path, info.get("bytes") if isinstance(info, dict) else info, "the manifest")
         except FileNotFoundError:
             raise MissingStateError(f"{path}: listed in the manifest but missing") from None
-        if not isinstance(info, dict) or size != info.get("bytes"):
-            raise IntegrityError(f"{path}: {size} bytes on disk, {info.get('bytes') if isinstance(info, dict) else info}"
-                                 " recorded in the manifest")
+        if problem is not None or not isinstance(info, dict):
+            raise IntegrityError(problem or f"{path}: the manifest records {info!r}, not a size")
