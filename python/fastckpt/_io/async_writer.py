@@ -12,7 +12,8 @@ training goes on updating the parameters in place, and a crash mid-write leaves 
   call (async or not), once.
 - A synchronous save first waits for the async saves in flight, so saves are committed in call order.
 - Automatic names (``output_dir=None``) skip the numbers that saves still in flight will commit.
-- The writer thread is not a daemon: the interpreter waits for saves in flight before it exits.
+- The writer thread is not a daemon: the interpreter waits for saves in flight before it exits, and a failure
+  nothing raised is then reported on stderr and in the exit status (:mod:`fastckpt._io.async_exit`).
 
 A synchronous save of CUDA tensors uses the same machinery with the caller waiting (``blocking=True``): the
 device-to-host copies of later chunks then overlap the writing of earlier ones (see :func:`submit`).
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._io.async_cancel import CancelToken, arm_second_interrupt
+from fastckpt._io.async_exit import watch
 from fastckpt._io.async_outcome import Outcome
 from fastckpt._io.files import SavePlan
 from fastckpt._io.host_pool import HostBufferPool
@@ -158,6 +160,15 @@ class AsyncSaver:
         assert exc is not None
         exc.add_note(f"(raised by the earlier async save to {failed.path}, reported at the next save)")
         raise exc
+
+    def unreported(self) -> list[tuple[str, BaseException]]:
+        """``[(what, exception)]`` of the finished saves whose failure nothing raised yet, marked reported (for the
+        report at exit, :mod:`fastckpt._io.async_exit`)."""
+        with self._lock:
+            failed = [h for h in self._pending if h.done() and not h._reported and h.exception() is not None]
+            for h in failed:
+                h._reported = True
+        return [(f"the async save to {h.path}", h._outcome.error) for h in failed]  # type: ignore[misc]
 
     def wait_all(self) -> None:
         """Wait for every save in flight, then re-raise the first unreported failure."""
@@ -305,6 +316,7 @@ def default_saver() -> AsyncSaver:
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
             _DEFAULT = AsyncSaver()
+            watch(_DEFAULT.unreported)  # a failure nobody waited on is reported at exit
         return _DEFAULT
 
 
