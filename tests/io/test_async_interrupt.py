@@ -11,7 +11,7 @@ it commits is never cut short by the exit.
 A Ctrl-C is a ``KeyboardInterrupt`` raised at whatever instruction the main thread runs. Issue 27.9 (the
 ``two_ctrl_c`` case hung under load): waiting through ``concurrent.futures.Future.result()``, one landing right
 after the future's condition lock was taken left it held, so the writer blocked forever setting its result and the
-exit hung joining it (see :mod:`fastckpt._io.async_outcome`). ``test_ctrl_c_at_any_instruction_of_wait...`` raises
+exit hung joining it (see :mod:`fastckpt._io.async_save.outcome`). ``test_ctrl_c_at_any_instruction_of_wait...`` raises
 it at every instruction of ``wait`` in turn, deterministically (an opcode trace), and the save must still finish.
 """
 
@@ -34,7 +34,7 @@ _CHILD = """
 import atexit, os, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
-from fastckpt._io import async_stream
+from fastckpt._io.async_save import stream as async_stream
 from crash_worker import build_state
 
 model, opt, sched = build_state({new}, {mb})
@@ -60,7 +60,7 @@ real = async_stream.StreamingSave.before_commit
 
 
 def held(self, *checksums):  # the writer thread, every file written, before the commit
-    until(lambda: main_in("wait", file="async_outcome"))  # inside AsyncSave.wait's try: where a Ctrl-C lands
+    until(lambda: main_in("wait", file="outcome.py"))  # inside AsyncSave.wait's try: where a Ctrl-C lands
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the main thread waits in handle.wait()
     if {second!r}:
         until(lambda: main_in("_python_exit", "_shutdown"))  # the interpreter exits and joins this thread
@@ -123,7 +123,7 @@ _EVERY_INSTRUCTION = """
 import sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
-from fastckpt._io import async_stream
+from fastckpt._io.async_save import stream as async_stream
 from crash_worker import build_state
 
 model, opt, sched = build_state({new}, {mb})
