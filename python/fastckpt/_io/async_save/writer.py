@@ -31,8 +31,8 @@ from typing import Any
 
 from fastckpt._io.async_save.cancel import CancelToken, arm_second_interrupt
 from fastckpt._io.async_save.exit_report import watch
-from fastckpt._io.async_save.outcome import Outcome
 from fastckpt._io.async_save.host_pool import HostBufferPool
+from fastckpt._io.async_save.outcome import Outcome
 from fastckpt._io.async_save.snapshot import Snapshot, snapshot_plan
 from fastckpt._io.files import SavePlan
 
