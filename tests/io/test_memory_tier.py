@@ -112,3 +112,33 @@ def test_default_root_is_per_job_and_rank(tmp_path, monkeypatch):
     assert a != default_memory_root(tmp_path / "other" / "run", 3)
     monkeypatch.setenv("FASTCKPT_JOB_ID", "job/42")
     assert default_memory_root(tmp_path / "run", 0).parent.name == "fastckpt-job_42"
+
+
+def test_clear_removes_only_what_the_tier_wrote(tmp_path):
+    """memory= may name a folder the user keeps other files in: clear() (the manager's close()) removes the tier's
+    checkpoints, leftovers and held replicas, then the folders left empty, never the user's files."""
+    from fastckpt._io.storage.peer import replica_tier
+
+    root = tmp_path / "scratch"
+    (root / "checkpoints").mkdir(parents=True)
+    (root / "notes.txt").write_text("mine")
+    (root / "checkpoints" / "mine.bin").write_bytes(b"x")
+    tier = MemoryTier(root)
+    for step in (1, 2):
+        save = tier.begin(step=step)
+        save.write(plan(step))
+        save.commit()
+    peer = replica_tier(root, 3)
+    save = peer.begin(step=2)
+    save.write(plan(2))
+    save.commit()
+    tier.begin(step=5)  # a staging folder left open
+    tier.clear()
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == [
+        "checkpoints", "checkpoints/mine.bin", "notes.txt"]
+    own = MemoryTier(tmp_path / "own")
+    save = own.begin(step=1)
+    save.write(plan(1))
+    save.commit()
+    own.clear()
+    assert not own.root.exists()  # a tier folder of its own goes whole

@@ -14,6 +14,7 @@ May import: every private layer (layer 5, public package).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -37,9 +38,10 @@ from fastckpt._io.group.distributed import (
 from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
-from fastckpt._io.storage.memory import MemoryTier, default_memory_root
+from fastckpt._io.storage.memory import MemoryTier
 from fastckpt.errors import CheckpointError
 from fastckpt.manager.durable import DurableWriter
+from fastckpt.manager.options import check_exit_code, check_project, check_signals, memory_root
 from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
@@ -52,15 +54,11 @@ logger = logging.getLogger("fastckpt")
 _managers = 0  # managers made by this process: the same sequence on every rank (their store keys differ)
 
 
-def _as_list(obj: Any) -> list:
-    return [] if obj is None else list(obj) if isinstance(obj, (list, tuple)) else [obj]
-
-
 class CheckpointManager:
     """Periodic, preemption and crash-safe checkpoints of a training loop, with a memory tier and peer replicas.
 
     Args:
-        project_dir: the durable tier: ``{project_dir}/checkpoints/checkpoint_{step}``, folders
+        project_dir: a local folder, the durable tier: ``{project_dir}/checkpoints/checkpoint_{step}``, folders
             :func:`fastckpt.load_state` reads (every manifest records its step).
         model: a module or a list (DDP / DataParallel are unwrapped).
         optimizer: an optimizer, a list, or None.
@@ -72,21 +70,24 @@ class CheckpointManager:
             (Young/Daly), ``save_cost`` measured (:attr:`interval_seconds`).
         memory: True: the memory tier at ``/dev/shm/fastckpt-{job}/rank{r}`` (``job``: ``FASTCKPT_JOB_ID``, else
             the project folder's name and a hash of its path, so a restart on the same machine finds it); a path:
-            this rank's memory tier there; False: no memory tier (each save is written durably in ``step()``).
+            this rank's memory tier there (apart from ``project_dir``; ``close()`` removes only what the tier
+            wrote in it); False: no memory tier (each save is written durably in ``step()``).
         replicas: peers (other machines first, by ``LOCAL_WORLD_SIZE``) holding a copy of each rank's memory
             snapshot (int >= 0; several processes and ``memory`` only).
         keep: durable checkpoints kept (int >= 1, or None for all); the memory tier keeps the newest.
         remote: an ``s3://`` project URL: each durable checkpoint is uploaded there in the background.
         storage_options: S3 settings for ``remote`` (see :func:`fastckpt.save_state`).
-        preemption_signals: the signals that ask for a save and exit (installed on the main thread only).
-        preemption_exit_code: the :class:`Preempted` exit code (int, default 0).
+        preemption_signals: the signals that ask for a save and exit (installed on the main thread only; one
+            number, or None / ``()`` for none; not SIGKILL / SIGSTOP, which cannot be caught).
+        preemption_exit_code: the :class:`Preempted` exit code (int 0-255, default 0).
         host_memory_budget: bytes (int or ``"8GB"``) the memory tier may hold; a state larger than that is refused,
             and a save that would hold two snapshots over it waits for the durable copy of the older first.
         threads: writer / reader threads (0: min(8, cores)).
         timeout: seconds a process waits for the others at a save, a restore or a preemption (float).
 
     Raises:
-        ValueError: a bad option (names it). TypeError: a model that is not a module.
+        ValueError: a bad option (names it), before anything is installed or written. TypeError: a model that is
+            not a module, an option of the wrong type.
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("run", model, optimizer, scheduler, every_n_steps=100)
@@ -108,8 +109,7 @@ class CheckpointManager:
         from fastckpt.checkpoint import _as_list as checked_list
 
         global _managers
-        _managers += 1
-        self.project = Path(project_dir).absolute()
+        self.project = check_project(project_dir)
         self.models = checked_list(model, "model")
         if not self.models:
             raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
@@ -127,7 +127,8 @@ class CheckpointManager:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.keep, self.threads, self.timeout = keep, threads, check_timeout(timeout)
-        self.exit_code = int(preemption_exit_code)
+        self.exit_code = check_exit_code(preemption_exit_code)
+        signals = check_signals(preemption_signals)
         self.storage_options = storage_options
         self.remote = None
         if remote is not None:
@@ -144,11 +145,9 @@ class CheckpointManager:
         self.distributed = is_distributed()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self.memory: MemoryTier | None = None
-        if memory is True:
-            self.memory = MemoryTier(default_memory_root(self.project, self.rank))
-        elif memory not in (False, None):
-            self.memory = MemoryTier(Path(memory))
+        root, self._memory_default = memory_root(memory, self.project, self.rank)
+        self.memory: MemoryTier | None = None if root is None else MemoryTier(root)
+        _managers += 1  # every option checked: the same sequence on every rank
         self.durable = None
         if self.memory is not None and self.rank == 0:
             self.durable = DurableWriter(self.memory, self.project, keep=keep, remote=self.remote,
@@ -166,7 +165,7 @@ class CheckpointManager:
             prefix += "/" + broadcast_from_main(secrets.token_hex(8) if self.rank == 0 else None,
                                                 what="CheckpointManager: naming its store keys", timeout=self.timeout)
         self.board = EventBoard(store, prefix)
-        self.signals = SignalRecorder(tuple(preemption_signals))
+        self.signals = SignalRecorder(signals)
         self.signals.install()
         self.restored_from: str | None = None
         self.restored_step: int | None = None
@@ -431,6 +430,9 @@ class CheckpointManager:
         self.wait()
         if clear_memory and self.memory is not None:
             self.memory.clear()
+            if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
+                with contextlib.suppress(OSError):
+                    self.memory.root.parent.rmdir()
 
     def __enter__(self) -> CheckpointManager:
         return self

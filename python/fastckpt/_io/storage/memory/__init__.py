@@ -33,7 +33,7 @@ from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, read_ma
 from fastckpt._io.storage.local.numbering import checkpoint_numbers, remove_folders
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
 
-__all__ = ["MemorySave", "MemoryTier", "copy_committed", "default_memory_root", "job_id"]
+__all__ = ["REPLICAS_DIR", "MemorySave", "MemoryTier", "copy_committed", "default_memory_root", "job_id"]
 
 _JOB_ENV = ("FASTCKPT_JOB_ID",)
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -191,8 +191,45 @@ class MemoryTier:
             remove_folders([f for n, f in numbers.items() if n not in newest])
 
     def clear(self) -> None:
-        """Remove the whole tier folder (its checkpoints and leftovers)."""
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Remove what the tier wrote: its checkpoints and their leftovers in ``{root}/checkpoints``, the replicas it
+        holds for other ranks (``{root}/replicas/rank{r}``, tiers of this same layout), then each of these folders
+        and ``root`` itself once empty. Nothing else is touched: ``root`` may be a folder the user named
+        (``memory="/scratch/me"``) holding files of its own."""
+        replicas = self.root / REPLICAS_DIR
+        tiers = [self.root]
+        if replicas.is_dir() and not replicas.is_symlink():
+            tiers += [p for p in replicas.iterdir() if _RANK.match(p.name) and p.is_dir() and not p.is_symlink()]
+        for root in reversed(tiers):
+            folder = root / CHECKPOINTS_DIR
+            if folder.is_dir() and not folder.is_symlink():
+                for entry in folder.iterdir():
+                    if _OWN.match(entry.name):
+                        _remove_entry(entry)
+            _rmdir(folder)
+            if root is not self.root:
+                _rmdir(root)
+        _rmdir(replicas)
+        _rmdir(self.root)
+
+
+#: what a tier writes in its ``checkpoints`` folder: ``checkpoint_{n}`` and the staging / trash names around it
+_OWN = re.compile(r"^(checkpoint_\d+|\.checkpoint_\d+\.fastckpt-(staging|trash)-\d+-[0-9a-f]{8}.*)$")
+#: the replicas a tier holds for other ranks (``fastckpt._io.storage.peer``: ``{root}/replicas/rank{r}``)
+REPLICAS_DIR = "replicas"
+_RANK = re.compile(r"^rank\d+$")
+
+
+def _rmdir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty (files of someone else's), or gone already
+        path.rmdir()
+
+
+def _remove_entry(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def copy_files(src: Path, dst: Path, *, durable: bool) -> dict[str, int]:

@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 
 from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
-from fastckpt._io.storage.memory import MemorySave, MemoryTier
+from fastckpt._io.storage.memory import REPLICAS_DIR, MemorySave, MemoryTier
 
 __all__ = ["exchange", "peer_ranks", "replica_tier", "replica_sources", "send_folder", "recv_folder"]
 
-REPLICAS_DIR = "replicas"
 
 
 def replica_tier(memory_root: Path, src: int) -> MemoryTier:

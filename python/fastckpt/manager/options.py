@@ -1,0 +1,114 @@
+"""The checks of :class:`~fastckpt.CheckpointManager`'s folder and signal options, made before the manager installs
+anything or writes anything: a wrong option is an error naming it at construction, never a failure at the first
+save (or, for ``memory=``, a ``close()`` that removes the wrong folder).
+
+May import: every private layer (layer 5, public package).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from fastckpt._io.location import check_location
+from fastckpt._io.storage.memory import default_memory_root
+
+__all__ = ["check_exit_code", "check_project", "check_signals", "memory_root"]
+
+#: signals no process can catch (``signal.signal`` raises a bare ``OSError: [Errno 22]`` for them)
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def _path(value: Any, what: str) -> Path:
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a folder (str or os.PathLike), got {type(value).__name__} {value!r}")
+    if os.fspath(value) in ("", b""):
+        raise ValueError(f"{what}='' names no folder; pass the folder's path")
+    return Path(value).absolute()
+
+
+def check_project(project_dir: Any) -> Path:
+    """The absolute durable-tier folder.
+
+    Raises:
+        TypeError: not a str / os.PathLike. ValueError: an empty path, a URL (``s3://`` goes to ``remote=``), or a
+            path that is a file.
+    """
+    if isinstance(project_dir, (str, os.PathLike)):
+        try:
+            check_location(project_dir, "project_dir")
+        except ValueError as exc:
+            raise ValueError(f"{exc}. CheckpointManager's project_dir is a local folder (the durable tier); "
+                             "pass an s3:// project as remote=") from None
+    project = _path(project_dir, "project_dir")
+    if project.exists() and not project.is_dir():
+        raise ValueError(f"project_dir={os.fspath(project_dir)!r} is a file, not a folder")
+    return project
+
+
+def memory_root(memory: Any, project: Path, rank: int) -> tuple[Path | None, bool]:
+    """This rank's memory-tier folder and whether it is the default one (``/dev/shm/fastckpt-{job}/rank{r}``).
+
+    Raises:
+        TypeError: not a bool, None, str or os.PathLike. ValueError: an empty path, a URL, a file, or a folder
+            inside the durable tier or holding it (the tiers must be apart: a restore compares them, and
+            ``close()`` empties the memory tier).
+    """
+    if memory is None or memory is False:
+        return None, False
+    if memory is True:
+        return default_memory_root(project, rank), True
+    if isinstance(memory, (str, os.PathLike)):
+        check_location(memory, "memory")
+    root = _path(memory, "memory")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"memory={os.fspath(memory)!r} is a file, not a folder")
+    resolved, durable = root.resolve(), project.resolve()
+    if resolved == durable or durable in resolved.parents or resolved in durable.parents:
+        raise ValueError(f"memory={os.fspath(memory)!r} and project_dir={str(project)!r} overlap; the memory tier "
+                         "needs a folder of its own, apart from the durable tier (e.g. under /dev/shm)")
+    return root, False
+
+
+def check_signals(signals: Any) -> tuple[int, ...]:
+    """The preemption signals as ints: a sequence of signal numbers (or one; None or ``()``: none).
+
+    Raises:
+        TypeError: not a signal number. ValueError: a number that is no signal here, or SIGKILL / SIGSTOP (which
+            no process can catch: schedulers send them after the catchable warning signal).
+    """
+    if signals is None:
+        return ()
+    if isinstance(signals, int):
+        signals = (signals,)
+    try:
+        items = tuple(signals)
+    except TypeError:
+        raise TypeError(f"preemption_signals must be a sequence of signal numbers, got {signals!r}") from None
+    valid = signal.valid_signals()
+    out = []
+    for s in items:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"preemption_signals: {s!r} is not a signal number (use signal.SIGTERM, ...)")
+        if s not in valid:
+            raise ValueError(f"preemption_signals: {s} is not a signal number on this system")
+        if s in _UNCATCHABLE:
+            raise ValueError(f"preemption_signals: {signal.Signals(s).name} cannot be caught by any process; a "
+                             "scheduler sends it after the catchable one (SIGTERM, SIGUSR1): pass that")
+        out.append(int(s))
+    return tuple(out)
+
+
+def check_exit_code(code: Any) -> int:
+    """The :class:`~fastckpt.Preempted` exit code.
+
+    Raises:
+        TypeError: not an int. ValueError: outside 0-255 (what a process can exit with).
+    """
+    if isinstance(code, bool) or not isinstance(code, int):
+        raise TypeError(f"preemption_exit_code must be an int (0-255), got {type(code).__name__} {code!r}")
+    if not 0 <= code <= 255:
+        raise ValueError(f"preemption_exit_code must be in 0-255 (a process's exit status), got {code}")
+    return code
