@@ -110,3 +110,28 @@ def test_one_signal_or_none(tmp_path):
 def test_preemption_exit_code_must_be_an_exit_status(tmp_path, code, exc):
     with pytest.raises(exc, match="preemption_exit_code"):
         fastckpt.CheckpointManager(tmp_path / "proj", *state(), memory=False, preemption_exit_code=code)
+
+
+def test_steps_must_not_go_back_until_a_restore(tmp_path):
+    """A smaller step used to be saved as checkpoint_{n} beside the newer one (the tier keeps the highest number,
+    so a restore took the stale step), and a negative one wrote a manifest no reader accepts."""
+    model, opt = state()
+    mgr = fastckpt.CheckpointManager(tmp_path / "proj", model, opt, memory=tmp_path / "mem", every_n_steps=2)
+    mgr.step(2)
+    mgr.step(4)
+    for bad, exc, match in ((3, ValueError, r"\(3\) after step 4"), (-2, ValueError, ">= 0"),
+                            (4.0, TypeError, "must be an int"), (True, TypeError, "must be an int")):
+        with pytest.raises(exc, match=match):
+            mgr.step(bad)
+        with pytest.raises(exc, match=match):
+            mgr.save_now(bad)
+    mgr.wait()
+    mgr.memory.clear()
+    assert mgr.restore() == 4  # the durable tier
+    with pytest.raises(ValueError, match="go back"):
+        mgr.step(3)
+    mgr.step(4)  # the same step again is fine
+    mgr.close()
+    with pytest.raises(fastckpt.CheckpointError, match="after close"):
+        mgr.save_now(6)
+    assert sorted(p.name for p in (tmp_path / "proj" / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_4"]

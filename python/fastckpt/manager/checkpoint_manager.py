@@ -28,20 +28,14 @@ import torch.distributed as dist
 
 from fastckpt._io.async_save.snapshot import has_device_tensors
 from fastckpt._io.async_save.writer import submit
-from fastckpt._io.group.distributed import (
-    DEFAULT_TIMEOUT,
-    Session,
-    broadcast_from_main,
-    check_timeout,
-    is_distributed,
-)
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, broadcast_from_main, check_timeout, is_distributed
 from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt.errors import CheckpointError
 from fastckpt.manager.durable import DurableWriter
-from fastckpt.manager.options import check_exit_code, check_project, check_signals, memory_root
+from fastckpt.manager.options import check_exit_code, check_project, check_signals, check_step, memory_root
 from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
@@ -174,6 +168,7 @@ class CheckpointManager:
         #: the :class:`Preempted` of a preemption save (set before it is raised; see ``exit_on_preemption``)
         self.preempted: Preempted | None = None
         self._closed = False
+        self._step_seen: int | None = None  # the last step passed to step() / save_now() (or restored)
 
     # -- extra state ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any, per_rank: bool = False) -> None:
@@ -224,7 +219,7 @@ class CheckpointManager:
             c, _ = restore_single(cands + ([rc] if rc else []), self._state, threads=self.threads,
                                   storage_options=self.storage_options)
         self.restored_from = None if c is None else c.tier
-        self.restored_step = None if c is None else c.step
+        self.restored_step = self._step_seen = None if c is None else c.step
         log_restore(c, started)
         return 0 if c is None else c.step
 
@@ -259,9 +254,11 @@ class CheckpointManager:
         Raises:
             Preempted: (a ``SystemExit``) a preemption signal arrived and ``step`` is durable.
             Exception: a background save (durable copy, upload, replica) failed; raised once, here.
+            TypeError / ValueError: ``step`` not an int >= 0, or lower than the previous one (since restore()).
         """
         if self._closed:
             raise CheckpointError("CheckpointManager.step() after close(): make a new manager")
+        self._step_seen = check_step(step, self._step_seen, "CheckpointManager.step")
         self._check_background()
         event = self.board.poll()
         ahead = 1 if self.distributed else 0  # the others may be at this boundary already: propose the next
@@ -331,6 +328,9 @@ class CheckpointManager:
             ValueError: the state is larger than ``host_memory_budget``.
             OSError: the tier cannot be written; the previous checkpoint stays.
         """
+        if self._closed:
+            raise CheckpointError("CheckpointManager.save_now() after close(): make a new manager")
+        self._step_seen = check_step(step, self._step_seen, "CheckpointManager.save_now")
         started, clock = time.perf_counter(), time.monotonic()
         if self.replicator is not None:
             self.replicator.wait()

@@ -112,3 +112,21 @@ def check_exit_code(code: Any) -> int:
     if not 0 <= code <= 255:
         raise ValueError(f"preemption_exit_code must be in 0-255 (a process's exit status), got {code}")
     return code
+
+
+def check_step(step: Any, last: int | None, what: str) -> int:
+    """``step`` as passed to :meth:`~fastckpt.CheckpointManager.step` / ``save_now``: optimizer steps done.
+
+    Raises:
+        TypeError: not an int. ValueError: negative (a manifest records steps >= 0), or lower than the step passed
+            before (``last``) since the manager was made or restored: the tiers name and order checkpoints by step,
+            so a smaller one would be taken for an older save.
+    """
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"{what}: step must be an int (optimizer steps done), got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValueError(f"{what}: step must be >= 0, got {step}")
+    if last is not None and step < last:
+        raise ValueError(f"{what}({step}) after step {last}: steps must not go back (checkpoints are named and "
+                         "ordered by step); call restore() to go back to a saved step, or use a new project_dir")
+    return int(step)
