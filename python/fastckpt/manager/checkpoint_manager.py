@@ -286,6 +286,40 @@ class CheckpointManager:
             return True
         return False
 
+    def preemption_due(self, step: int) -> bool:
+        """For integrations that write checkpoints in their own format (the Trainer's ``checkpoint-N``, Lightning's
+        ``last.ckpt``): call instead of :meth:`step` at every step boundary, on every process. True at the step
+        every process agreed to stop at after a preemption signal (the same agreement as :meth:`step`: this step
+        with one process, the next boundary with several); the caller then saves that step durably and calls
+        :meth:`exit_preempted`. Saves nothing itself; a time-based save event, if any, is passed over.
+
+        Returns:
+            Whether this process must save ``step`` and stop now.
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointManager.preemption_due() after close(): make a new manager")
+        event = self.board.poll()
+        if event is None and self.signals.pending:
+            event = self.board.propose(step + (1 if self.distributed else 0), "preempt")
+        if event is None or event[0] > step:
+            return False
+        self.board.consume()
+        return event[1] == "preempt"
+
+    def exit_preempted(self, step: int, path: str | os.PathLike[str]) -> None:
+        """After a preemption save made outside the manager (see :meth:`preemption_due`): log the signal-to-durable
+        time, close the manager (the memory tier is kept) and raise :class:`Preempted` naming ``step`` and ``path``.
+
+        Raises:
+            Preempted: always (a ``SystemExit`` with the manager's ``preemption_exit_code``).
+        """
+        signum = self.signals.signum or signal.SIGTERM
+        self.preempt_seconds = time.monotonic() - (self.signals.at or time.monotonic())
+        logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
+                       signum, step, path, self.preempt_seconds)
+        self.close(clear_memory=False)
+        raise Preempted(self.exit_code, step=step, signum=signum, path=Path(path))
+
     def save_now(self, step: int) -> Path:
         """Save ``step`` now (every process calls it at the same step): committed in the memory tier when it
         returns (or durably without one), durable and replicated in the background.
