@@ -5,6 +5,8 @@ Usage: ``torchrun --standalone --nproc-per-node N tests/helpers/dcp_worker.py OU
 
 MODE ``save`` (2 ranks):
   A: ``dcp.save`` (unchanged) of the state sharded along dim 0 -> ``OUT/A``; reload on 2 ranks along dim 1.
+  I: the sharded tensors alone, saved along dim 0 -> ``OUT/I``, reloaded through the chunk index along dim 0 (each
+     rank opens its own shard file only) and along dim 1.
   B / C: ``dcp.async_save`` with the thread / the process checkpointer -> ``OUT/B``, ``OUT/C``; reload.
   F: ``OUT/F`` holds seed 1; re-saves of seed 2 that fail on rank 1 (an I/O error after its file is written, a
      value that needs pickle, the same I/O error under raw ``dcp.save``) raise on both ranks and leave seed 1.
@@ -61,6 +63,15 @@ def reload_fetched(url: str, state: dict, mesh, dim: int) -> tuple[list[str], li
     reader = fastckpt.dcp.StorageReader(url)
     dcp.load(target, storage_reader=reader)
     return mismatches(state, target, world=mesh.size(), rank=mesh.get_local_rank(), dim=dim), reader.fetched
+
+
+def reload_opened(folder: Path, state: dict, mesh, dim: int) -> tuple[list[str], list[str]]:
+    """Load ``folder`` into ``state``'s template sharded along ``dim`` through its chunk index; (mismatches, the
+    shard files this rank opened)."""
+    target = as_dtensors(template(state), mesh, dim, zero=True)
+    reader = fastckpt.dcp.StorageReader(folder)
+    dcp.load(target, storage_reader=reader, planner=reader.load_planner())
+    return mismatches(state, target, world=mesh.size(), rank=mesh.get_local_rank(), dim=dim), sorted(reader._files)
 
 
 def damaged_object(url: str, state: dict, mesh, rank: int) -> None:
@@ -163,6 +174,10 @@ def main() -> None:
         if MODE == "save":
             dcp.save(as_dtensors(full_state(), mesh, 0), storage_writer=fastckpt.dcp.StorageWriter(OUT / "A"))
             checks["A_dim1"] = reload(OUT / "A", mesh, 1)
+            own = {k: v for k, v in full_state().items() if k in SHARDED}
+            fastckpt.dcp.save(as_dtensors(own, mesh, 0), OUT / "I")
+            checks["I_dim0"] = reload_opened(OUT / "I", own, mesh, 0)  # the index: its own shard file only
+            checks["I_dim1"] = reload_opened(OUT / "I", own, mesh, 1)
             fut = dcp.async_save(as_dtensors(full_state(), mesh, 0), storage_writer=fastckpt.dcp.StorageWriter(OUT / "B"))
             fut.result()
             checks["B_dim0"] = reload(OUT / "B", mesh, 0)

@@ -61,6 +61,15 @@ def test_two_ranks_reload_in_another_placement(run):
     assert [r["A_dim1"] for r in saved] == [[], []]
 
 
+def test_each_rank_opens_only_the_shard_files_its_boxes_come_from_through_the_index(run):
+    """The chunk index (dcp_index.bin): in the saved placement rank r opens shard r alone; along dim 1 both; the
+    values equal the one-process reference (mismatches against full_state())."""
+    _, saved, _, _ = run
+    own = "shard-{:05d}-of-00002.safetensors"
+    assert [r["I_dim0"] for r in saved] == [[[], [own.format(r)]] for r in range(2)]
+    assert [r["I_dim1"] for r in saved] == [[[], [own.format(0), own.format(1)]]] * 2
+
+
 def test_four_ranks_load_a_two_rank_save(run):
     _, _, loaded, _ = run
     assert [(r["L_dim0"], r["L_dim1"]) for r in loaded] == [([], [])] * 4
@@ -86,7 +95,8 @@ def test_two_ranks_save_to_s3_and_reload_in_another_placement_and_in_one_process
     _, saved, _, _ = run
     assert [r["S_dim1"] for r in saved] == [[], []]
     names = sorted(k.split("/", 2)[2] for k in keys("dcp-two-ranks/") if "/save-" in k)
-    assert names == ["dcp_metadata.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert names == ["dcp_index.bin", "dcp_metadata.json", "shard-00000-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors"]
     reference = full_state()
     reloaded = template(reference)
     fastckpt.dcp.load(reloaded, S3_URL)
@@ -97,7 +107,7 @@ def test_two_ranks_save_to_s3_and_reload_in_another_placement_and_in_one_process
 def test_each_rank_fetches_only_the_objects_its_boxes_come_from(run):
     """Reloaded in the saved placement, rank r reads shard r's object alone; in another placement both."""
     _, saved, _, _ = run
-    meta, own = "dcp_metadata.json", "shard-{:05d}-of-00002.safetensors"
+    meta, own = "dcp_index.bin", "shard-{:05d}-of-00002.safetensors"  # the index, not the full metadata
     assert [r["O_dim0"] for r in saved] == [[[], [meta, own.format(r)]] for r in range(2)]
     assert [r["O_dim1"] for r in saved] == [[[], [meta, own.format(0), own.format(1)]]] * 2
 
@@ -113,7 +123,7 @@ def test_a_damaged_object_one_rank_reads_is_refused_on_every_rank_before_any_rea
 def test_two_rank_folder_layout(run):
     out, _, _, _ = run
     names = sorted(p.name for p in (out / "A").iterdir())
-    assert names == ["dcp_metadata.json", "fastckpt.json", "shard-00000-of-00002.safetensors",
+    assert names == ["dcp_index.bin", "dcp_metadata.json", "fastckpt.json", "shard-00000-of-00002.safetensors",
                      "shard-00001-of-00002.safetensors"]
     meta = json.loads((out / "A" / "dcp_metadata.json").read_text())
     emb, head = meta["state_dict"]["emb"]["tensor"], meta["state_dict"]["head"]["tensor"]

@@ -348,13 +348,14 @@ def test_s3_model_only_sharded_save_is_the_one_process_save(runs, s3_prefix, fet
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_s3_sharded_load_fetches_on_each_rank_only_the_model_shards_it_reads(runs, s3_prefix, fetch, kind):
-    """Loaded in the saved placement, rank r fetches the small files, each part's metadata and its own model shard
+    """Loaded in the saved placement, rank r fetches the small files, each part's chunk index and its own model shard
     (FSDP2 shards every parameter along dim 0), plus rank 0's where a replicated value lives there (the tiny
     model's ``scale`` buffer is not sharded: DCP writes it once, on rank 0); rank 0 never needs rank 1's."""
     _, results = runs
     with fetch(f"{s3_prefix}/{kind}") as folder:
         manifest = json.loads((folder / "fastckpt.json").read_text())
-    small = sorted([*manifest["files"], *(f"{p}/dcp_metadata.json" for p in manifest["sharded"]["parts"])])
+    # each part's chunk index, not its full dcp_metadata.json (left for tools)
+    small = sorted([*manifest["files"], *(f"{p}/dcp_index.bin" for p in manifest["sharded"]["parts"])])
     for rank, res in enumerate(results[2]):
         fetched = res[f"s3_fetched_{kind}"]
         model = sorted(n for n in fetched if n.startswith("model/shard-"))

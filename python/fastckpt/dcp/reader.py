@@ -16,14 +16,25 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata
+from fastckpt._format.dcp_index import INDEX_FILE
+from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
-from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
+from fastckpt._io.dcp_files import (
+    BoxRead,
+    open_chunk_files,
+    open_located_chunks,
+    read_boxes,
+    read_dcp_index,
+    read_dcp_metadata,
+    verify_chunks,
+)
+from fastckpt._io.layout import MANIFEST, read_manifest
 from fastckpt._io.location import check_location
 from fastckpt._io.object_commit import RemoteCheckpoint
 from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
-from fastckpt.errors import DtypeError, ShapeMismatchError
+from fastckpt.dcp.indexed import Catalog
+from fastckpt.errors import DtypeError, HeaderError, MissingStateError, ShapeMismatchError
 
 try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it
     from torch.distributed.checkpoint._traverse import set_element
@@ -102,10 +113,12 @@ class StorageReader(_DCPStorageReader):
         self.threads = threads
         self.verify = verify
         self._checksums = checksums
-        self._records: dict[str, Any] = {}
-        self._parsed: ParsedMetadata | None = None
-        self._stamp: tuple[int, int, int] | None = None
+        self._records: dict[str, Any] | None = None
+        self._parsed: Catalog | None = None
+        self._stamp: tuple | None = None
         self._files: dict[str, Any] = {}
+        #: use ``dcp_index.bin`` when the folder has one (False: parse ``dcp_metadata.json`` whole, as before)
+        self.use_index = True
         #: the exception the last :meth:`read_metadata` raised (DCP reports it only as an AssertionError's text)
         self.metadata_error: BaseException | None = None
 
@@ -149,53 +162,106 @@ class StorageReader(_DCPStorageReader):
             self._fetched.callback(remote.close)
             weakref.finalize(self, self._fetched.close)
             self._remote = remote
-            remote.fetch([METADATA_FILE] if METADATA_FILE in remote.names else [])
+            first = INDEX_FILE if self.use_index and INDEX_FILE in remote.names else METADATA_FILE
+            remote.fetch([first] if first in remote.names else [])
         return self._remote.folder / self._part if self._part else self._remote.folder
+
+    def _has(self, name: str) -> bool:
+        """Whether the folder (or the s3 checkpoint: fetched or not) holds ``name``."""
+        if self._remote is not None:
+            return (f"{self._part}/{name}" if self._part else name) in self._remote.names
+        return (self._folder() / name).is_file()
 
     def _fetch_for(self, items: list[ReadItem]) -> None:
         """s3: read the objects holding the chunks ``items`` read from (those not read yet), then open and check
         their headers against the metadata."""
         assert self._parsed is not None and self._remote is not None
-        needed = {self._parsed.chunks[(item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))
-                                      ].file for item in items if item.type != LoadItemType.BYTE_IO}
-        if needed - self._files.keys():
-            self._remote.fetch([f"{self._part}/{n}" if self._part else n for n in needed])
+        needed = self._needed(items)
+        if {loc.file for loc, _, _ in needed.values()} - self._files.keys():
+            self._remote.fetch([f"{self._part}/{n}" if self._part else n
+                                for n in {loc.file for loc, _, _ in needed.values()} - self._files.keys()])
             records = self._checksums  # the listing matched the manifest's sizes already: its records as they are
             if records is None:
                 records = self._remote.manifest["manifest"].get("files", {})
                 records = records if isinstance(records, dict) else {}  # each object was checked whole anyway
-            files, self._records = open_chunk_files(self._folder(), self._parsed, records=records,
-                                                    only=needed | self._files.keys())
-            self._files = files
+            self._files, self._records = open_located_chunks(self._folder(), needed, records=records,
+                                                             opened=self._files)
+
+    def _needed(self, items: list[ReadItem]) -> dict:
+        """``{(fqn, offsets): (location, dtype, sizes)}`` of the stored chunks ``items`` read from."""
+        assert self._parsed is not None
+        needed = {}
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            key = (item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))
+            if key not in needed:
+                loc, sizes = self._parsed.locate(*key)
+                needed[key] = (loc, self._parsed.dtypes[key[0]], sizes)
+        return needed
+
+    def _open_for(self, items: list[ReadItem]) -> None:
+        """A local folder with an index: open the files ``items`` read from (not open yet) and check the chunks
+        they read against the files' headers."""
+        needed = self._needed(items)
+        if {loc.file for loc, _, _ in needed.values()} - self._files.keys():
+            self._files, self._records = open_located_chunks(self._folder(), needed, records=self._records,
+                                                             opened=self._files)
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP would fall back to rank-local metadata
-        """The folder's metadata, parsed once per version of ``dcp_metadata.json`` (a second call, as ``dcp.load``
-        makes after fastckpt's own validation, reuses it while the file's inode, size and mtime are the same)."""
+        """The folder's metadata: from ``dcp_index.bin`` when the folder has one (its header: one entry per tensor;
+        each tensor's chunks are looked up in it as a planner needs them, see :mod:`fastckpt.dcp.indexed`), else
+        ``dcp_metadata.json`` parsed whole. Read once per version of the files (a second call, as ``dcp.load``
+        makes after fastckpt's own validation, reuses it while their inode, size and mtime are the same)."""
         self.metadata_error = None
         try:
-            stamp = _stamp(self._folder() / METADATA_FILE)
-            if self._parsed is None or stamp is None or stamp != self._stamp:
+            folder = self._folder()
+            stamp = (_stamp(folder / INDEX_FILE), _stamp(folder / METADATA_FILE))
+            if self._parsed is None or stamp == (None, None) or stamp != self._stamp:
                 self._parsed = None
-                self._parsed = read_dcp_metadata(self._folder())
+                self._parsed = self._read_catalog(folder)
                 self._stamp = stamp
         except Exception as exc:
             self.metadata_error = exc
             raise
         return self._parsed.metadata
 
+    def _read_catalog(self, folder: Path) -> Catalog:
+        if not (self.use_index and self._has(INDEX_FILE)):
+            self._records = self._checksums
+            return Catalog.from_parsed(read_dcp_metadata(folder))
+        if not self._has(METADATA_FILE):  # written last: without it the save did not finish
+            raise MissingStateError(f"{folder}: no {METADATA_FILE}; not a fastckpt DCP checkpoint, or a save that "
+                                    "did not finish")
+        index = read_dcp_index(folder)
+        records = self._checksums
+        if records is None and self._remote is not None:
+            records = self._remote.manifest["manifest"].get("files", {})
+        elif records is None:  # sizes: of the files this rank opens, when it opens them
+            records = read_manifest(folder, check_sizes=False).get("files", {}) if (folder / MANIFEST).is_file() else {}
+        self._records = records if isinstance(records, dict) else {}
+        recorded = self._records.get(METADATA_FILE)
+        if isinstance(recorded, dict) and recorded.get("crc32c") != index.doc.get("metadata_crc32c"):
+            raise HeaderError(f"{folder / INDEX_FILE}: describes a {METADATA_FILE} of crc32c "
+                              f"{index.doc.get('metadata_crc32c')}, the manifest records {recorded.get('crc32c')} "
+                              "(the index is not this save's)")
+        return Catalog.from_index(index)
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._parsed is None or self._parsed.metadata is not metadata:
-            self._parsed = read_dcp_metadata(self._folder())
-        if self.url is None:
-            self._files, self._records = open_chunk_files(self._folder(), self._parsed, records=self._checksums)
-        else:  # the objects this rank reads are fetched once its plan is known (prepare_local_plan)
+            self._parsed = self._read_catalog(self._folder())
+        if self.url is None and self._parsed.index is None:
+            self._files, self._records = open_chunk_files(self._folder(), self._parsed.parsed, records=self._checksums)
+        else:  # the files / objects this rank reads are opened once its plan is known (prepare_local_plan)
             self._files = {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        # s3: this rank's objects are read (and checked) now, inside DCP's planning round: a failure on any rank
-        # reaches every rank before any of them reads into a destination
+        # s3: this rank's objects are read (and checked) now; with an index, this rank's files are opened and
+        # checked now: inside DCP's planning round, so a failure on any rank reaches every rank before any reads
         if self.url is not None:
             self._fetch_for(plan.items)
+        elif self._parsed is not None and self._parsed.index is not None:
+            self._open_for(plan.items)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -204,7 +270,7 @@ class StorageReader(_DCPStorageReader):
     def _check(self, item: ReadItem, dest: torch.Tensor) -> None:
         assert self._parsed is not None
         fqn = item.storage_index.fqn
-        stored = to_torch_dtype(self._parsed.dtypes[fqn], name=fqn)
+        stored = to_torch_dtype(self._parsed.dtypes[fqn], name=fqn)  # type: ignore[union-attr]
         if dest.dtype != stored:
             raise DtypeError(f"{self.url or self.path}: {fqn!r} is stored as {stored}, the state_dict entry it loads into is "
                              f"{dest.dtype}; load into a {stored} template and cast it yourself")
@@ -216,6 +282,8 @@ class StorageReader(_DCPStorageReader):
         assert self._parsed is not None
         if self.url is not None:  # a planner that changed the plan after planning: its objects are read here
             self._fetch_for(plan.items)
+        elif self._parsed.index is not None:
+            self._open_for(plan.items)
         parsed = self._parsed
         tensor_items = []
         for item in plan.items:
@@ -229,9 +297,10 @@ class StorageReader(_DCPStorageReader):
         if self.verify and self.url is None:
             wanted: dict[str, set[str]] = {}
             for item, _dest in tensor_items:
-                loc = parsed.chunks[(item.storage_index.fqn, tuple(int(o) for o in (item.storage_index.offset or ())))]
+                loc, _ = parsed.locate(item.storage_index.fqn,
+                                       tuple(int(o) for o in (item.storage_index.offset or ())))
                 wanted.setdefault(loc.file, set()).add(loc.name)
-            verify_chunks(self._files, self._records, wanted, threads=self.threads)
+            verify_chunks(self._files, self._records or {}, wanted, threads=self.threads)
         for item in plan.items:  # every check passed: nothing was filled before this point
             if item.type == LoadItemType.BYTE_IO:
                 _set_object(planner, item, parsed.objects[item.storage_index.fqn])
@@ -241,9 +310,7 @@ class StorageReader(_DCPStorageReader):
         for item, dest in tensor_items:
             index = item.storage_index
             offsets = tuple(int(o) for o in (index.offset or ()))
-            loc = parsed.chunks[(index.fqn, offsets)]
-            md = parsed.metadata.state_dict_metadata[index.fqn]
-            chunk = next(c for c in md.chunks if tuple(int(o) for o in c.offsets) == offsets)  # type: ignore[union-attr]
+            loc, chunk_sizes = parsed.locate(index.fqn, offsets)
             if dest.numel() == 0:
                 planner.commit_tensor(item, dest)
                 continue
@@ -260,7 +327,7 @@ class StorageReader(_DCPStorageReader):
                 tmp = torch.empty(dest.shape, dtype=dest.dtype)
                 buf = tmp.reshape(-1).view(torch.uint8).numpy()
                 bounce += tmp.numel() * tmp.element_size()
-            read = BoxRead(loc.file, loc.name, [int(s) for s in chunk.sizes], [int(o) for o in item.storage_offsets],
+            read = BoxRead(loc.file, loc.name, chunk_sizes, [int(o) for o in item.storage_offsets],
                            [int(n) for n in item.lengths], dest.element_size(), buf)
             batch.append((item, dest, tmp, read))
             if bounce >= _BOUNCE_BYTES:
@@ -277,6 +344,13 @@ class StorageReader(_DCPStorageReader):
             if tmp is not None:
                 dest.copy_(tmp)
             planner.commit_tensor(item, dest)
+
+    def load_planner(self) -> Any:
+        """The DCP load planner for loads through this reader: :class:`fastckpt.dcp.LoadPlanner` (dtype check while
+        planning; plans each rank's boxes with the chunk index's lookups)."""
+        from fastckpt.dcp.planner import LoadPlanner as _FastckptLoadPlanner
+
+        return _FastckptLoadPlanner()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
