@@ -321,23 +321,31 @@ def scenario_integrity(rank: int, world: int) -> None:
         checks[f"integrity_{case}_intact_loads"] = not same(full_state(model, opt), before)
 
 
-def planned(fn) -> int:
-    """How many times the coordinator's DCP global planning (dedup, merge, validation) ran during ``fn()``."""
+def planned(fn) -> tuple[int, int]:
+    """``(global plans, planning rounds)`` during ``fn()``: how many times the coordinator's DCP global planning
+    (dedup, merge, validation) ran, and how many DCP planning rounds (gather + scatter of plans) this rank joined."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.utils import _DistWrapper
 
-    real = DefaultSavePlanner._create_global_plan
-    calls = []
+    real, real_round = DefaultSavePlanner._create_global_plan, _DistWrapper.reduce_scatter
+    calls, rounds = [], []
 
     def counting(self, all_plans):
         calls.append(1)
         return real(self, all_plans)
 
+    def counting_round(self, step, *args, **kwargs):
+        rounds.append(step)
+        return real_round(self, step, *args, **kwargs)
+
     DefaultSavePlanner._create_global_plan = counting
+    _DistWrapper.reduce_scatter = counting_round
     try:
         fn()
     finally:
         DefaultSavePlanner._create_global_plan = real
-    return len(calls)
+        _DistWrapper.reduce_scatter = real_round
+    return len(calls), rounds.count("plan")
 
 
 def scenario_plan_cache(rank: int, world: int) -> None:
@@ -345,16 +353,16 @@ def scenario_plan_cache(rank: int, world: int) -> None:
     model, opt, sched = fresh("tiny")
 
     def save_and_load_back(m, o, s, **sizes) -> object:
-        n = planned(lambda: fastckpt.save_state(m, o, s, output_dir=target))
+        n, rounds = planned(lambda: fastckpt.save_state(m, o, s, output_dir=target))
         m2, o2, s2 = fresh("tiny", seed=99, **sizes)
         train_step(m2, o2, s2, 0, rank=rank, world=world)  # other values, same structure as the saved state
         fastckpt.load_state(m2, o2, s2, input_dir=target)
         got, want = full_state(m2, o2), full_state(m, o)
-        return {"planned": n, "same": same(got, want) or diff(got, want)[:5]}
+        return {"planned": n, "rounds": rounds, "same": same(got, want) or diff(got, want)[:5]}
 
     checks["cache_first"] = save_and_load_back(model, opt, sched)  # no optimizer state yet
-    checks["cache_unchanged"] = {"planned": planned(lambda: fastckpt.save_state(model, opt, sched,
-                                                                                 output_dir=target))}
+    n, rounds = planned(lambda: fastckpt.save_state(model, opt, sched, output_dir=target))
+    checks["cache_unchanged"] = {"planned": n, "rounds": rounds}
     train_step(model, opt, sched, 0, rank=rank, world=world)  # AdamW's exp_avg, exp_avg_sq, step appear
     checks["cache_new_optimizer_state"] = save_and_load_back(model, opt, sched)
     train_step(model, opt, sched, 1, rank=rank, world=world)  # new values, same plans

@@ -275,7 +275,7 @@ def test_collective_rounds_do_not_grow_with_the_world_size(runs):
 
 
 def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_again(runs):
-    """Plan caching (issue 20.2): the resave of an unchanged state runs no global planning on the coordinator; new
+    """Plan caching (issue 20.2, 28): the resave of an unchanged state runs no planning round on any rank; new
     optimizer state and new parameter shapes are planned again, and every save loads back bit-exact."""
     _, results = runs
     for w in (2, 4):
@@ -283,6 +283,12 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
             assert res["scenario_plan_cache"] is None, (w, rank, res["scenario_plan_cache"])
             for name in ("cache_first", "cache_new_optimizer_state", "cache_new_values", "cache_new_shapes"):
                 assert res[name]["same"] is True, (w, rank, name, res[name])
+        # no planning round at all when every rank's plans are the cached ones (the agreement rides on the save's
+        # own "state" round); a part whose plans changed anywhere runs DCP's planning round again
+        for rank, res in enumerate(results[w]):
+            assert res["cache_unchanged"]["rounds"] == 0 and res["cache_new_values"]["rounds"] == 0, (w, rank, res)
+            assert res["cache_new_optimizer_state"]["rounds"] >= 1, (w, rank, res)  # (the first save's plans may
+            assert res["cache_new_shapes"]["rounds"] >= 1, (w, rank, res)  # be cached by an earlier scenario's)
         coordinator = results[w][0]
         assert coordinator["cache_unchanged"]["planned"] == 0, coordinator["cache_unchanged"]
         assert coordinator["cache_new_values"]["planned"] == 0, coordinator["cache_new_values"]

@@ -195,6 +195,8 @@ class StorageWriter(_DCPStorageWriter):
         folder = None
         if self.url is None:
             folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
+            if not self.commit:  # a save written from cached plans (no prepare_global_plan) makes it here
+                folder.mkdir(parents=True, exist_ok=True)
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
         tensor_items = []
