@@ -11,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from helpers.dcp_state import full_state, mismatches, same, template
 from safetensors import safe_open
 
@@ -68,6 +70,40 @@ def test_each_rank_opens_only_the_shard_files_its_boxes_come_from_through_the_in
     own = "shard-{:05d}-of-00002.safetensors"
     assert [r["I_dim0"] for r in saved] == [[[], [own.format(r)]] for r in range(2)]
     assert [r["I_dim1"] for r in saved] == [[[], [own.format(0), own.format(1)]]] * 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_data_parallel_load_reads_the_checkpoint_once_in_total(run, world, tmp_path):
+    """Every rank loads every tensor (plain tensors): with read_once each box is read by one rank and sent to the
+    others, so the ranks together read the checkpoint's bytes once (within 5%), as one process reading it alone
+    does; each rank reading its own reads them ``world`` times; both loads equal the one-process reference."""
+    _, saved, loaded, _ = run
+    results = saved if world == 2 else loaded
+    reference = fastckpt.dcp.StorageReader(run[0] / "A")
+    one = template(full_state())
+    with warnings.catch_warnings():  # one process, no process group: what is meant
+        warnings.simplefilter("ignore", UserWarning)
+        torch.distributed.checkpoint.load(one, storage_reader=reference, planner=reference.load_planner(), no_dist=True)
+    assert mismatches(full_state(), one) == []
+    once = [r["R_True"] for r in results]
+    each = [r["R_False"] for r in results]
+    assert all(r["mismatches"] == [] for r in once + each), (once, each)
+    total = reference.read_bytes
+    assert total <= sum(r["read"] for r in once) <= 1.05 * total, (total, once)
+    assert sum(r["verified"] for r in once) <= 1.05 * reference.verified_bytes, (reference.verified_bytes, once)
+    assert all(r["read"] < total for r in once), once  # the reads are spread over the ranks
+    assert sum(r["read"] + r["received"] for r in once) >= world * total  # every rank got every box (ties twice)
+    assert sum(r["read"] for r in each) == world * total, each
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failed_read_on_the_reading_rank_raises_on_every_rank(run, world):
+    _, saved, loaded, _ = run
+    results = saved if world == 2 else loaded
+    assert results[1]["R_fail"] == "OSError: [Errno 5] injected read error: 'shard'", results[1]["R_fail"]
+    for rank, res in enumerate(results):
+        if rank != 1:  # every rank waited on boxes rank 1 reads: each says so (or DCP's read round names rank 1)
+            assert res["R_fail"].startswith("CheckpointError: ") and "process 1" in res["R_fail"], (rank, res["R_fail"])
 
 
 def test_four_ranks_load_a_two_rank_save(run):

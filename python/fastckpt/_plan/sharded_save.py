@@ -93,7 +93,11 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
 
     try:
         if session.active:
-            call(state, process_group=timeout_group(session.timeout), **storage)
+            group = timeout_group(session.timeout)
+            reader = storage.get("storage_reader")
+            if reader is not None and getattr(reader, "process_group", False) is None:
+                reader.process_group = group  # boxes read once and shared travel over the same group
+            call(state, process_group=group, **storage)
         else:
             with warnings.catch_warnings():  # "assuming the intent is to save/load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)

@@ -127,7 +127,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, threads: int = 0,
-         planner: Any = None, verify: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+         planner: Any = None, verify: bool = True, storage_options: dict[str, Any] | None = None,
+         read_once: bool = True) -> None:
     """``dcp.load(state_dict, storage_reader=StorageReader(path, ...))``, raising the original error on every rank.
 
     Fills ``state_dict`` in place (tensors, DTensors of any placement, plain values), resharding as needed.
@@ -135,13 +136,16 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     raises on every rank before anything is read. ``verify`` (default): each rank sums every stored chunk it reads
     from and compares it with the crc32c in the folder's manifest before it fills any tensor (IntegrityError
     naming the file and tensor); with several processes another rank may already have filled its own tensors
-    when one rank's chunk is damaged (DCP's read step has no barrier between the ranks' reads).
+    when one rank's chunk is damaged (DCP's read step has no barrier between the ranks' reads). ``read_once``
+    (default): a box several processes load (replicated tensors) is read by one of them and sent to the others
+    (see :class:`StorageReader`); the checkpoint's bytes are read from storage once in total.
 
     Raises:
         HeaderError, MissingStateError, DtypeError, IntegrityError, ...: what the failing rank raised.
     """
     check_location(path, "path", supported=OBJECT_SCHEMES)
-    reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options)
+    reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options,
+                           process_group=process_group, read_once=read_once)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import weakref
 from pathlib import Path
@@ -34,7 +35,8 @@ from fastckpt._io.location import check_location
 from fastckpt._io.object_commit import RemoteCheckpoint
 from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.dcp.indexed import Catalog
-from fastckpt.errors import DtypeError, HeaderError, MissingStateError, ShapeMismatchError
+from fastckpt.dcp.share import Exchange, assign
+from fastckpt.errors import CheckpointError, DtypeError, HeaderError, MissingStateError, ShapeMismatchError
 
 try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it
     from torch.distributed.checkpoint._traverse import set_element
@@ -100,10 +102,16 @@ class StorageReader(_DCPStorageReader):
         checksums: the folder's files as a manifest records them (``{file name: {"bytes", "crc32c", "tensors"}}``):
             given by a sharded ``load_state``, whose manifest sits one folder up; None reads ``path/fastckpt.json``.
         storage_options: for ``s3://`` (see :func:`fastckpt.save_state`).
+        read_once: when several ranks load the same box of a stored chunk (replicated tensors: DDP, HSDP replicas,
+            AdamW's ``step``), one rank reads it and sends it to the others over ``process_group``, while they read
+            theirs (:mod:`fastckpt.dcp.share`); a rank that fails to read raises on every rank that waits on it.
+            Local folders (an ``s3://`` load fetches per rank).
+        process_group: the group ``dcp.load`` runs on (None: the default group).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 0, verify: bool = True,
-                 checksums: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 checksums: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+                 read_once: bool = True, process_group: Any = None) -> None:
         super().__init__()
         self.storage_options = storage_options
         self._fetched = contextlib.ExitStack()
@@ -119,6 +127,14 @@ class StorageReader(_DCPStorageReader):
         self._files: dict[str, Any] = {}
         #: use ``dcp_index.bin`` when the folder has one (False: parse ``dcp_metadata.json`` whole, as before)
         self.use_index = True
+        #: a box several ranks load is read from storage by one of them and sent to the others (False: each reads)
+        self.read_once = read_once
+        #: the process group ``dcp.load`` runs on (None: the default group); the shared boxes travel over it
+        self.process_group: Any = process_group
+        #: bytes this reader read from storage into destinations, summed whole for verification, and received
+        self.read_bytes = 0
+        self.verified_bytes = 0
+        self.received_bytes = 0
         #: the exception the last :meth:`read_metadata` raised (DCP reports it only as an AssertionError's text)
         self.metadata_error: BaseException | None = None
 
@@ -265,7 +281,14 @@ class StorageReader(_DCPStorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Coordinator: with ``read_once``, a box several ranks load is read by one of them and sent to the others
+        (:mod:`fastckpt.dcp.share`; a local folder, every rank of :attr:`process_group` in the load)."""
+        import torch.distributed as dist
+
+        if not self.read_once or self.url is not None or len(plans) < 2 or not dist.is_initialized() \
+                or dist.get_world_size(self.process_group) != len(plans):
+            return plans
+        return assign(plans)
 
     def _check(self, item: ReadItem, dest: torch.Tensor) -> None:
         assert self._parsed is not None
@@ -279,27 +302,70 @@ class StorageReader(_DCPStorageReader):
                                      f"destination of shape {list(dest.shape)}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """This rank's boxes: read from the files, or (the boxes another rank reads for it, see
+        :mod:`fastckpt.dcp.share`) received from that rank while it reads its own."""
+        assert self._parsed is not None
+        share = plan.storage_data.get("share") if isinstance(plan.storage_data, dict) else None
+        exchange = Exchange(share, self.process_group, str(self.url or self.path)) if share else None
+        if exchange is None:
+            self._read_own(plan, planner, set())
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
+        exchange.start()
+        error: BaseException | None = None
+        own: dict[int, tuple[ReadItem, torch.Tensor]] = {}
+        try:
+            own = self._read_own(plan, planner, set(exchange.recvs))
+            sources = {pos: own[pos][1].contiguous().reshape(-1).view(torch.uint8) for pos in exchange.reads}
+        except BaseException as exc:  # the receivers hear of it (a status), then it is raised here
+            error, sources = exc, None
+        exchange.send(sources)
+        buffers = {pos: torch.empty(math.prod(int(n) for n in plan.items[pos].lengths)
+                                    * to_torch_dtype(self._parsed.dtypes[plan.items[pos].storage_index.fqn]).itemsize,
+                                    dtype=torch.uint8) for pos in exchange.recvs}
+        failed = exchange.receive(buffers)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"{self.url or self.path}: process {failed[0]} failed to read the boxes it reads for "
+                                  f"this process too ({len(exchange.recvs)} boxes shared with it); see its error")
+        for pos in exchange.recvs:
+            item, dest = own[pos]
+            dest.copy_(buffers[pos].view(dest.dtype).reshape(dest.shape))
+            planner.commit_tensor(item, dest)
+        self.received_bytes += sum(int(b.numel()) for b in buffers.values())
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_own(self, plan: LoadPlan, planner: LoadPlanner, elsewhere: set[int]) -> dict:
+        """Check every destination, then read the boxes not ``elsewhere`` (plan positions another rank reads) and
+        commit them; returns ``{position: (item, destination)}`` of every tensor item."""
         assert self._parsed is not None
         if self.url is not None:  # a planner that changed the plan after planning: its objects are read here
             self._fetch_for(plan.items)
         elif self._parsed.index is not None:
             self._open_for(plan.items)
         parsed = self._parsed
-        tensor_items = []
-        for item in plan.items:
+        tensor_items: dict[int, tuple[ReadItem, torch.Tensor]] = {}
+        for pos, item in enumerate(plan.items):
             if item.type == LoadItemType.BYTE_IO:
                 continue
             dest = planner.resolve_tensor(item).detach()
             self._check(item, dest)
-            tensor_items.append((item, dest))
+            tensor_items[pos] = (item, dest)
+        mine = [(item, dest) for pos, (item, dest) in tensor_items.items() if pos not in elsewhere]
         # every chunk a box is read from, summed whole, before anything is filled (a fetched s3 checkpoint was
         # summed whole as it came in: not again)
         if self.verify and self.url is None:
             wanted: dict[str, set[str]] = {}
-            for item, _dest in tensor_items:
-                loc, _ = parsed.locate(item.storage_index.fqn,
-                                       tuple(int(o) for o in (item.storage_index.offset or ())))
-                wanted.setdefault(loc.file, set()).add(loc.name)
+            for item, dest in mine:
+                loc, sizes = parsed.locate(item.storage_index.fqn,
+                                           tuple(int(o) for o in (item.storage_index.offset or ())))
+                if loc.name not in wanted.setdefault(loc.file, set()):
+                    self.verified_bytes += math.prod(sizes) * dest.element_size()
+                wanted[loc.file].add(loc.name)
             verify_chunks(self._files, self._records or {}, wanted, threads=self.threads)
         for item in plan.items:  # every check passed: nothing was filled before this point
             if item.type == LoadItemType.BYTE_IO:
@@ -307,7 +373,7 @@ class StorageReader(_DCPStorageReader):
         seen: set[tuple] = set()
         batch: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None, BoxRead]] = []
         bounce = 0
-        for item, dest in tensor_items:
+        for item, dest in mine:
             index = item.storage_index
             offsets = tuple(int(o) for o in (index.offset or ()))
             loc, chunk_sizes = parsed.locate(index.fqn, offsets)
@@ -334,12 +400,11 @@ class StorageReader(_DCPStorageReader):
                 self._flush(batch, planner)
                 batch, bounce = [], 0
         self._flush(batch, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return tensor_items
 
     def _flush(self, batch: list, planner: LoadPlanner) -> None:
         read_boxes(self._files, [b[3] for b in batch], threads=self.threads)
+        self.read_bytes += sum(int(b[3].dest.nbytes) for b in batch)
         for item, dest, tmp, _ in batch:
             if tmp is not None:
                 dest.copy_(tmp)
