@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 import fastckpt.dcp
 from fastckpt._format.dcp_index import ChunkIndex, build_index
 from fastckpt._format.dcp_metadata import ChunkLocation
-from fastckpt._io.dcp_files import read_dcp_index, read_dcp_metadata
+from fastckpt._io.dcp.files import read_dcp_index, read_dcp_metadata
 from fastckpt.errors import HeaderError
 
 single_process = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")

@@ -21,7 +21,7 @@ from fastckpt._format.dcp_index import INDEX_FILE
 from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
-from fastckpt._io.dcp_files import (
+from fastckpt._io.dcp.files import (
     BoxRead,
     open_chunk_files,
     open_located_chunks,
@@ -30,10 +30,10 @@ from fastckpt._io.dcp_files import (
     read_dcp_metadata,
     verify_chunks,
 )
-from fastckpt._io.layout import MANIFEST, read_manifest
 from fastckpt._io.location import check_location
-from fastckpt._io.object_commit import RemoteCheckpoint
-from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
+from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
+from fastckpt._io.storage.object.fetch import RemoteCheckpoint
+from fastckpt._io.storage.object.store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.dcp.indexed import Catalog
 from fastckpt.dcp.share import Exchange, assign
 from fastckpt.errors import CheckpointError, DtypeError, HeaderError, MissingStateError, ShapeMismatchError
