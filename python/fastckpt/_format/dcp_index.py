@@ -94,6 +94,7 @@ def build_index(tensors: dict[str, tuple[str, list[int], list[tuple[tuple[int, .
         metadata_crc32c: the crc32c of the ``dcp_metadata.json`` written beside it (hex).
     """
     extra: dict[str, int] = {}
+    ids: dict[str, int] = {}
     names: dict[str, int] = {}
     aliases: dict[str, int] = {}
     body: list[bytes] = []
@@ -108,13 +109,13 @@ def build_index(tensors: dict[str, tuple[str, list[int], list[tuple[tuple[int, .
         order = np.lexsort([offs[:, d] for d in reversed(range(ndim)) if d != sweep] + [offs[:, sweep]]) \
             if ndim else np.arange(n)
         offs, sizes = offs[order], sizes[order]
-        file_ids = np.empty(n, dtype=np.int64)
-        name_ids = np.empty(n, dtype=np.int64)
-        for i, k in enumerate(order.tolist()):
-            key = (fqn, tuple(int(o) for o in chunks[k][0]))
-            loc = locations[key]
-            file_ids[i] = _file_id(loc.file, world, extra)
-            name_ids[i] = _name_id(loc.name, fqn, chunks[k], size, names, aliases, locations)
+        locs = [locations[(fqn, chunks[k][0])] for k in order.tolist()]
+        file_ids = np.array([ids[f] if (f := loc.file) in ids else ids.setdefault(f, _file_id(f, world, extra))
+                             for loc in locs], dtype=np.int64)
+        whole = [fqn] if n == 1 and ndim and sizes[0].tolist() == list(size) and not offs.any() else None
+        canonical = whole or ([f"{fqn}@{','.join(map(str, o))}" for o in offs.tolist()] if ndim else [fqn] * n)
+        name_ids = np.array([-1 if loc.name == c else _name_id(loc.name, fqn, chunks[k], size, names, aliases, locations)
+                             for loc, c, k in zip(locs, canonical, order.tolist())], dtype=np.int64)
         columns = [_column(offs[:, d], body, at) for d in range(ndim)]
         columns += [_column(sizes[:, d], body, at) for d in range(ndim)]
         columns += [_column(file_ids, body, at), _column(name_ids, body, at)]
