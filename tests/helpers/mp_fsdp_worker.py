@@ -372,6 +372,39 @@ def scenario_plan_cache(rank: int, world: int) -> None:
     checks["cache_new_shapes"] = save_and_load_back(other, other_opt, other_sched, dim=17, hidden=5)
 
 
+def scenario_read_once(rank: int, world: int) -> None:
+    """``w{world}_tiny`` (this run's save after 3 steps) loaded with boxes read once per replica group (default:
+    AdamW's replicated ``step`` of every parameter, the unsharded ``scale`` buffer) and with every rank reading its
+    own (the coordinator's share step skipped): both equal the one-process reference; bytes read per rank."""
+    import fastckpt.dcp
+
+    counted = {"read": 0, "received": 0}
+    real_read = fastckpt.dcp.StorageReader.read_data
+
+    def counting(self, plan, planner):
+        before = (self.read_bytes, self.received_bytes)
+        out = real_read(self, plan, planner)
+        counted["read"] += self.read_bytes - before[0]
+        counted["received"] += self.received_bytes - before[1]
+        return out
+
+    real_share = fastckpt.dcp.StorageReader.prepare_global_plan
+    fastckpt.dcp.StorageReader.read_data = counting
+    ref_model, ref_opt, _ = reference("tiny", 3)
+    try:
+        for once in (True, False):
+            if not once:
+                fastckpt.dcp.StorageReader.prepare_global_plan = lambda self, plans: plans
+            counted.update(read=0, received=0)
+            model, opt, sched = fresh("tiny")
+            fastckpt.load_state(model, opt, sched, input_dir=OUT / f"w{world}_tiny")
+            got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+            checks[f"read_once_{once}"] = {"same": same(got, want) or diff(got, want)[:5], **counted}
+    finally:
+        fastckpt.dcp.StorageReader.read_data = real_read
+        fastckpt.dcp.StorageReader.prepare_global_plan = real_share
+
+
 def scenario_timeout(rank: int, world: int) -> None:
     model, opt, sched = fresh("tiny")
     target = OUT / f"w{world}_timeout"
@@ -398,6 +431,7 @@ def main() -> None:
             record("scenario_failures", lambda: scenario_failures(rank, world))
         record("scenario_rounds", lambda: scenario_rounds(rank, world))
         record("scenario_plan_cache", lambda: scenario_plan_cache(rank, world))
+        record("scenario_read_once", lambda: scenario_read_once(rank, world))
         if world >= 2:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
         if world == 2:

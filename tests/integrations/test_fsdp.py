@@ -296,6 +296,20 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
             assert coordinator[name]["planned"] >= 1, (name, coordinator[name])
 
 
+def test_replicated_values_are_read_once_per_replica_group(runs):
+    """A 2- and 4-process FSDP2 load: AdamW's ``step`` (replicated on every rank) and the tiny model's unsharded
+    buffer are read by one rank and sent to the others; the ranks read fewer bytes in total than when each reads
+    its own, and both loads equal the one-process reference bit for bit."""
+    _, results = runs
+    for w in (2, 4):
+        once = [res["read_once_True"] for res in results[w]]
+        each = [res["read_once_False"] for res in results[w]]
+        assert all(r["same"] is True for r in once + each), (w, once, each)
+        assert sum(r["received"] for r in once) > 0 and sum(r["received"] for r in each) == 0, (w, once, each)
+        assert sum(r["read"] for r in once) < sum(r["read"] for r in each), (w, once, each)
+        assert sum(r["read"] + r["received"] for r in once) >= sum(r["read"] for r in each), (w, once, each)
+
+
 # -- s3:// (the 2-process run saved and loaded under s3_prefix on the session's moto server) ----------------------
 @pytest.fixture
 def fetch():

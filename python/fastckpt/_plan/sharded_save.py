@@ -105,10 +105,12 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
     except CheckpointException as exc:
         failures = getattr(exc, "failures", None) or {}
         rank = session.rank
-        if failures and rank not in failures:  # DCP raises on every rank: name the one where it happened
-            from fastckpt.errors import CheckpointError
+        own = failures.get(rank)
+        peer = getattr(own[0] if isinstance(own, tuple) else own, "shared_read_peer", None)
+        if failures and (rank not in failures or peer in failures):  # DCP raises on every rank: name the one
+            from fastckpt.errors import CheckpointError  # where it happened (or the one reading for this rank)
 
-            other = min(failures)
+            other = peer if peer in failures else min(failures)
             cause = failures[other][0] if isinstance(failures[other], tuple) else failures[other]
             raise CheckpointError(f"{session.what} failed on process {other}: {type(cause).__name__}: {cause}; "
                                   "nothing was changed on any process") from exc

@@ -22,7 +22,9 @@ a mismatch on any rank raises on every rank before any rank reads); pass ``plann
 
 A folder holds ``shard-{rank:05d}-of-{world:05d}.safetensors`` (each rank's chunks; tied weights stored once),
 ``dcp_metadata.json`` (DCP's global metadata as JSON: dtypes, sizes, chunk boxes, where each chunk lives, the
-non-tensor values; see :mod:`fastckpt._format.dcp_metadata`) and ``fastckpt.json`` (the manifest: sizes and
+non-tensor values; see :mod:`fastckpt._format.dcp_metadata`), ``dcp_index.bin`` (the same chunks as an index a
+rank looks its boxes up in without reading every rank's entries; see :mod:`fastckpt._format.dcp_index` and
+:mod:`fastckpt.dcp.indexed`) and ``fastckpt.json`` (the manifest: sizes and
 crc32c of every file, written last; ``fastckpt verify`` checks it). No file holds a pickle. The checkpoint is
 committed in one step (staging folder beside it, fsync of every file and folder, ``commit_dir``); a save that
 fails or is killed on any rank leaves the previous folder exact. ``fastckpt consolidate`` turns such a folder
@@ -71,13 +73,18 @@ __all__ = ["StorageWriter", "StorageReader", "LoadPlanner", "SavePlanner", "save
 
 
 def original_error(exc: CheckpointException) -> BaseException:
-    """The exception a rank raised inside DCP: this process's own when it failed, else the lowest rank's."""
+    """The exception a rank raised inside DCP: this process's own when it failed (or, when it stopped because the
+    process reading shared boxes for it failed, that process's), else the lowest rank's."""
     failures = exc.failures
     if not failures:
         return exc
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     wrapped = failures.get(rank, failures[min(failures)])
-    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    error = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    peer = getattr(error, "shared_read_peer", None)  # stopped because the rank reading for it failed: that one's
+    if peer is not None and peer in failures:
+        error = failures[peer][0] if isinstance(failures[peer], tuple) else failures[peer]
+    return error
 
 
 @contextlib.contextmanager

@@ -35,8 +35,8 @@ from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 from fastckpt._io.storage.object.store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.dcp.indexed import Catalog
-from fastckpt.dcp.share import Exchange, assign
-from fastckpt.errors import CheckpointError, DtypeError, HeaderError, MissingStateError, ShapeMismatchError
+from fastckpt.dcp.share import Exchange, PeerReadError, assign
+from fastckpt.errors import DtypeError, HeaderError, MissingStateError, ShapeMismatchError
 
 try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it
     from torch.distributed.checkpoint._traverse import set_element
@@ -328,8 +328,8 @@ class StorageReader(_DCPStorageReader):
         if error is not None:
             raise error
         if failed:
-            raise CheckpointError(f"{self.url or self.path}: process {failed[0]} failed to read the boxes it reads for "
-                                  f"this process too ({len(exchange.recvs)} boxes shared with it); see its error")
+            raise PeerReadError(f"{self.url or self.path}: process {failed[0]} failed to read the boxes it reads for "
+                                f"this process too ({len(exchange.recvs)} boxes shared); see its error", failed[0])
         for pos in exchange.recvs:
             item, dest = own[pos]
             dest.copy_(buffers[pos].view(dest.dtype).reshape(dest.shape))

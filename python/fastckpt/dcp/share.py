@@ -28,10 +28,22 @@ import torch
 
 from fastckpt.errors import CheckpointError
 
-__all__ = ["assign", "Exchange"]
+__all__ = ["assign", "Exchange", "PeerReadError"]
 
 #: the tag of the status messages; a box's data goes with its own tag (1, 2, ...)
 _STATUS = 0
+
+
+class PeerReadError(CheckpointError):
+    """This rank's load stopped because a rank that reads boxes for it failed: ``shared_read_peer`` is that rank
+    (:func:`fastckpt.dcp.original_error` and a sharded load report that rank's own error instead)."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.shared_read_peer = peer
+
+    def __reduce__(self) -> Any:  # DCP gathers every rank's exception by pickling it
+        return type(self), (str(self), self.shared_read_peer)
 
 
 def assign(plans: list[Any]) -> list[Any]:
