@@ -16,6 +16,7 @@ from fastckpt._format.dcp_boxes import box_runs
 from fastckpt._format.dcp_index import INDEX_FILE, ChunkIndex
 from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, ParsedMetadata, parse_metadata
 from fastckpt._format.dtypes import F4
+from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
 from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 
@@ -113,9 +114,9 @@ def open_located_chunks(folder: Path, chunks: dict[tuple[str, tuple[int, ...]], 
     for name in wanted:
         info = records.get(name)
         if isinstance(info, dict):
-            size = (folder / name).stat().st_size
-            if info.get("bytes") != size:
-                raise IntegrityError(f"{folder / name}: {size} bytes on disk, {info.get('bytes')} recorded in {MANIFEST}")
+            problem = recorded_size_problem(folder / name, info.get("bytes"), MANIFEST)
+            if problem is not None:
+                raise IntegrityError(problem)
     for (fqn, _offsets), (loc, _dtype, _sizes) in chunks.items():
         if loc.file not in files:
             path = folder / loc.file
