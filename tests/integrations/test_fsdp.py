@@ -283,7 +283,7 @@ def test_collective_rounds_do_not_grow_with_the_world_size(runs):
 
 
 def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_again(runs):
-    """Plan caching (issue 20.2): the resave of an unchanged state runs no global planning on the coordinator; new
+    """Plan caching (issue 20.2, 28): the resave of an unchanged state runs no planning round on any rank; new
     optimizer state and new parameter shapes are planned again, and every save loads back bit-exact."""
     _, results = runs
     for w in (2, 4):
@@ -291,11 +291,31 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
             assert res["scenario_plan_cache"] is None, (w, rank, res["scenario_plan_cache"])
             for name in ("cache_first", "cache_new_optimizer_state", "cache_new_values", "cache_new_shapes"):
                 assert res[name]["same"] is True, (w, rank, name, res[name])
+        # no planning round at all when every rank's plans are the cached ones (the agreement rides on the save's
+        # own "state" round); a part whose plans changed anywhere runs DCP's planning round again
+        for rank, res in enumerate(results[w]):
+            assert res["cache_unchanged"]["rounds"] == 0 and res["cache_new_values"]["rounds"] == 0, (w, rank, res)
+            assert res["cache_new_optimizer_state"]["rounds"] >= 1, (w, rank, res)  # (the first save's plans may
+            assert res["cache_new_shapes"]["rounds"] >= 1, (w, rank, res)  # be cached by an earlier scenario's)
         coordinator = results[w][0]
         assert coordinator["cache_unchanged"]["planned"] == 0, coordinator["cache_unchanged"]
         assert coordinator["cache_new_values"]["planned"] == 0, coordinator["cache_new_values"]
         for name in ("cache_new_optimizer_state", "cache_new_shapes"):
             assert coordinator[name]["planned"] >= 1, (name, coordinator[name])
+
+
+def test_replicated_values_are_read_once_per_replica_group(runs):
+    """A 2- and 4-process FSDP2 load: AdamW's ``step`` (replicated on every rank) and the tiny model's unsharded
+    buffer are read by one rank and sent to the others; the ranks read fewer bytes in total than when each reads
+    its own, and both loads equal the one-process reference bit for bit."""
+    _, results = runs
+    for w in (2, 4):
+        once = [res["read_once_True"] for res in results[w]]
+        each = [res["read_once_False"] for res in results[w]]
+        assert all(r["same"] is True for r in once + each), (w, once, each)
+        assert sum(r["received"] for r in once) > 0 and sum(r["received"] for r in each) == 0, (w, once, each)
+        assert sum(r["read"] for r in once) < sum(r["read"] for r in each), (w, once, each)
+        assert sum(r["read"] + r["received"] for r in once) >= sum(r["read"] for r in each), (w, once, each)
 
 
 # -- s3:// (the 2-process run saved and loaded under s3_prefix on the session's moto server) ----------------------
@@ -356,13 +376,14 @@ def test_s3_model_only_sharded_save_is_the_one_process_save(runs, s3_prefix, fet
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_s3_sharded_load_fetches_on_each_rank_only_the_model_shards_it_reads(runs, s3_prefix, fetch, kind):
-    """Loaded in the saved placement, rank r fetches the small files, each part's metadata and its own model shard
+    """Loaded in the saved placement, rank r fetches the small files, each part's chunk index and its own model shard
     (FSDP2 shards every parameter along dim 0), plus rank 0's where a replicated value lives there (the tiny
     model's ``scale`` buffer is not sharded: DCP writes it once, on rank 0); rank 0 never needs rank 1's."""
     _, results = runs
     with fetch(f"{s3_prefix}/{kind}") as folder:
         manifest = json.loads((folder / "fastckpt.json").read_text())
-    small = sorted([*manifest["files"], *(f"{p}/dcp_metadata.json" for p in manifest["sharded"]["parts"])])
+    # each part's chunk index, not its full dcp_metadata.json (left for tools)
+    small = sorted([*manifest["files"], *(f"{p}/dcp_index.bin" for p in manifest["sharded"]["parts"])])
     for rank, res in enumerate(results[2]):
         fetched = res[f"s3_fetched_{kind}"]
         model = sorted(n for n in fetched if n.startswith("model/shard-"))
@@ -413,3 +434,51 @@ def test_s3_save_failing_on_one_rank_commits_nothing(runs, s3_prefix):
     assert {k[len(prefix) + 1:].split("/", 1)[0] for k in stored} - {"manifests"} == {
         next(k[len(prefix) + 1:].split("/", 1)[0] for k in stored if "/save-0000000000-" in k)}
     assert all(res["s3_failed_previous_loads"] is True for res in results[2])
+
+
+def _frozen_lines(folder: Path) -> list[str]:
+    names = [n for n, _ in build("tiny").named_parameters() if n.startswith("blocks.0.")]
+    return [f"{folder / 'optimizer.json'}: optimizer state of {n!r} (step, exp_avg, exp_avg_sq) not applied: the "
+            "live optimizer does not optimize that parameter (frozen since the save, or left out of its param_groups)"
+            for n in names]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_c31_a_block_frozen_at_load_gets_its_moments_on_every_rank(runs, world):
+    """Issue 27.4 (pytorch#192202): the 2-rank checkpoint loaded on 2 and 4 ranks with block 0 frozen since: its
+    AdamW moments (still in the optimizer) are restored and the next step equals the one-process reference; left
+    out of the optimizer, strict refuses and strict=False lists each dropped parameter's state."""
+    out, results = runs
+    for rank, res in enumerate(results[world]):
+        assert res["scenario_frozen"] is None, (rank, res["scenario_frozen"])
+        assert res["frozen_tiny"] is True and res["frozen_tiny_next"] is True, (rank, res["frozen_tiny"])
+        assert res["frozen_tiny_result"] == [[], [], []], rank
+        assert res["frozen_tiny_strict"]["error"] == "KeyMismatchError", res["frozen_tiny_strict"]
+        assert "blocks.0." in res["frozen_tiny_strict"]["message"], res["frozen_tiny_strict"]
+        assert res["frozen_tiny_skipped"] == _frozen_lines(out / "w2_tiny"), rank
+        assert res["frozen_tiny_rest"] is True, rank
+
+
+def test_c31_a_block_frozen_at_load_gets_its_moments_in_one_process(runs, one_thread):
+    """The same 2-rank checkpoint into a plain model in one process (2 -> 1)."""
+    from helpers.fsdp_models import blocks
+
+    out, _ = runs
+    model = build("tiny", 9)
+    opt, sched = optimizer_for(model)
+    blocks(model)[0].requires_grad_(False)
+    with pytest.warns(fastckpt.RngRestoreWarning):
+        result = fastckpt.load_state(model, opt, sched, input_dir=out / "w2_tiny")
+    assert (result.missing_keys, result.unexpected_keys, result.skipped) == ([], [], [])
+    ref_model, ref_opt, ref_sched = reference("tiny", 3)
+    blocks(ref_model)[0].requires_grad_(False)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    train_step(model, opt, sched, 3)
+    train_step(ref_model, ref_opt, ref_sched, 3)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    left_out = build("tiny", 9)
+    blocks(left_out)[0].requires_grad_(False)
+    trainable = torch.optim.AdamW([p for p in left_out.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    with pytest.warns(fastckpt.RngRestoreWarning):
+        result = fastckpt.load_state(left_out, trainable, input_dir=out / "w2_tiny", strict=False)
+    assert result.skipped == _frozen_lines(out / "w2_tiny")
