@@ -80,8 +80,9 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
 
 def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                        strict: bool, threads: int, verify: bool, timeout: float,
-                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str]]:
-    """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys)``.
+                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str], list[str]]:
+    """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys, skipped)``
+    (``skipped``: :attr:`~fastckpt.LoadResult.skipped`'s lines).
 
     ``remote``: ``folder`` is that opened ``s3://`` checkpoint's folder, holding its small files and each part's
     ``dcp_metadata.json``; each part's reader fetches the shard objects this rank's boxes come from."""
@@ -112,11 +113,11 @@ def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers:
                              rng_rank=None if model_only else session.rank, failed=error, verify=verify,
                              threads=threads, listed=remote is not None)
     plan.apply()
-    return plan.missing_keys, plan.unexpected_keys
+    return plan.missing_keys, plan.unexpected_keys, plan.skipped
 
 
 def load_sharded(storage: Storage, models: list, optimizers: list, schedulers: list, *, model_only: bool,
-                 strict: bool, threads: int, verify: bool, timeout: float) -> tuple[list[str], list[str]]:
+                 strict: bool, threads: int, verify: bool, timeout: float) -> tuple[list[str], list[str], list[str]]:
     """A checkpoint of ``storage`` (:func:`fastckpt._io.storage.resolve`) into sharded models on every rank: every
     rank opens the same committed save (:meth:`~fastckpt._io.storage.base.Storage.open_shared`: of an ``s3://``
     checkpoint, the main process picks it, every rank reads its small files and each part's metadata into memory
@@ -147,7 +148,7 @@ def _saved_mode(folder: Path) -> Any:
 
 
 def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, strict: bool, verify: bool,
-                            threads: int, session: Session) -> tuple[list[str], list[str]]:
+                            threads: int, session: Session) -> tuple[list[str], list[str], list[str]]:
     """Full model files (a model-only save, from one process or FSDP2) into sharded models: every rank reads and
     checks the full tensors, every rank agrees, then ``set_model_state_dict(full_state_dict=True)`` keeps each
     rank's shard."""
@@ -170,4 +171,4 @@ def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, str
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
         missing += miss
         unexpected += unexp
-    return missing, unexpected
+    return missing, unexpected, []

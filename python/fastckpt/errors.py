@@ -24,6 +24,7 @@ __all__ = [
     "IntegrityError",
     "ShapeMismatchError",
     "DtypeError",
+    "TensorSubclassError",
     "UnsafePickleError",
     "ClosedFileError",
     "MetaTensorError",
@@ -32,6 +33,7 @@ __all__ = [
     "ConcurrentModificationError",
     "SaveCancelledError",
     "ConcurrentSaveError",
+    "ResumeWarning",
 ]
 
 
@@ -64,6 +66,13 @@ class IntegrityError(CheckpointError, ValueError):
 
 class DtypeError(CheckpointError, TypeError):
     """A dtype that cannot be stored, or a stored dtype that does not match its destination."""
+
+
+class TensorSubclassError(CheckpointError, TypeError):
+    """A tensor subclass fastckpt cannot store or fill exactly: not a traceable wrapper subclass (no
+    ``__tensor_flatten__``), a nested one, one whose flatten context JSON cannot hold, or a saved subclass meeting a
+    live tensor of another class or settings. Raised before anything is written or changed; the message names the
+    tensor and its type."""
 
 
 class ShapeMismatchError(CheckpointError, ValueError):
@@ -124,3 +133,9 @@ class ConcurrentSaveError(CheckpointError, FileExistsError):
     """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
     conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
     were removed. The message names the manifest object."""
+
+
+class ResumeWarning(UserWarning):
+    """A resume restores less than a full training state: the message names the folder and what starts fresh (e.g.
+    the optimizer, scheduler and RNG states of a Trainer resumed from a ``save_only_model`` checkpoint), so the run
+    from there differs from an uninterrupted one. A warning, not an error: the run goes on as the caller asked."""

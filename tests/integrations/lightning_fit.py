@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import fastckpt.lightning
+from fastckpt.lightning.resume import attach_to_loading_trainer
 from fastckpt.lightning.rng import collect_rng_states, restore_rng_states
 
 BATCHES = 8  # samples 32, batch 4: 8 batches per epoch in one process (4 per process with two)
@@ -65,7 +66,8 @@ def loader(world_size: int = 1, stateful: bool = True, sampler: str = "auto") ->
     ``DistributedSamplerWrapper``, whose order follows the inner sampler's ``generator``, saved nowhere.
     Otherwise (or with ``sampler="plain"``) a plain ``DistributedSampler``, with ``stateful=False`` in a plain
     DataLoader (a mid-epoch resume restarts the epoch); ``sampler="shuffle"``: ``shuffle=True`` and no sampler of
-    ours. The loader's own ``generator`` keeps it from drawing on the global RNG (dropout's)."""
+    ours. No ``generator``, as users write it (the README's recipe): making an iterator draws its base seed from the
+    global RNG (dropout's), which the plugin accounts for (:mod:`fastckpt.lightning.resume`)."""
     g = torch.Generator().manual_seed(1234)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
@@ -73,8 +75,7 @@ def loader(world_size: int = 1, stateful: bool = True, sampler: str = "auto") ->
         return cls(data, batch_size=4, shuffle=True, generator=torch.Generator())
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     sampler_cls = StatefulDistributedSampler if stateful and sampler == "auto" else torch.utils.data.DistributedSampler
-    return cls(data, batch_size=4, sampler=sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7),
-               generator=torch.Generator())
+    return cls(data, batch_size=4, sampler=sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7))
 
 
 def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: Any) -> pl.Trainer:
@@ -129,7 +130,9 @@ class TorchIOWithRng(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
         checkpoint = super().load_checkpoint(path, weights_only=False)
-        restore_rng_states(checkpoint.pop(fastckpt.lightning.RNG_KEY))
+        rng = checkpoint.pop(fastckpt.lightning.RNG_KEY)
+        restore_rng_states(rng)
+        attach_to_loading_trainer(rng, checkpoint.get("epoch"))  # as fastckpt's plugin: only the loops differ
         return checkpoint
 
 

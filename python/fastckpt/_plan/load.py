@@ -123,7 +123,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         file = open_state_file(folder, part_name("optimizer", j, ""), f"optimizer {j}")
         state = read_optimizer_state(opt, file, positional_fqns(opt) if positional else fqns, strict=strict,
                                      map_location=map_location, defer=load.live_reads,
-                                     label=part_name("optimizer", j, ""))
+                                     label=part_name("optimizer", j, ""), skipped=load.skipped)
         if state is None:
             load.skipped.append(f"{part_name('optimizer', j, '')}: saved by {(file.metadata() or {}).get('optimizer')}, "
                                 f"the live optimizer is {optimizer_class_name(opt)}; it keeps its own state")

@@ -44,6 +44,7 @@ from fastckpt._io.storage.local.folder import open_safetensors
 from fastckpt._io.storage.local.layout import random_states_name
 from fastckpt._io.storage.local.numbering import saved_mode
 from fastckpt._state.rng import RngRestoreWarning, read_rng_state
+from fastckpt.errors import ResumeWarning
 from fastckpt.transformers import folders, stock
 
 __all__ = ["CheckpointMixin"]
@@ -236,6 +237,17 @@ class CheckpointMixin:
             stock.load_optimizer_and_scheduler(folder, self.optimizer, self.lr_scheduler)
             return
         if saved_mode(folder) == "model_only":  # save_only_model: as Trainer, optimizer and scheduler start fresh
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrappers
+            scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+            fresh = [f"the optimizer ({type(optimizer).__name__}: no moments, no step counts)"]
+            if scheduler is not None:
+                fresh.append(f"the learning-rate scheduler ({type(scheduler).__name__}: back to its first step's "
+                             "learning rate)")
+            fresh.append("the RNG states (dropout, data order)")
+            warnings.warn(f"{folder}: saved with save_only_model=True (weights and trainer_state.json only): resuming "
+                          f"from it restores the weights and the step count, and starts {', '.join(fresh[:-1])} and {fresh[-1]} afresh, "
+                          "so training from here differs from an uninterrupted run; resume from a checkpoint saved "
+                          "without save_only_model for an exact resume", ResumeWarning, stacklevel=2)
             return
         kept = _rng_states()  # Trainer restores the RNG states later (_load_rng_state), after skipping batches
         try:
