@@ -29,9 +29,11 @@ from fastckpt.errors import (
     ResumeWarning,
     SaveCancelledError,
     ShapeMismatchError,
+    TierSkippedWarning,
     TruncatedFileError,
     UnsafePickleError,
 )
+from fastckpt.manager import CheckpointManager, Preempted
 
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
@@ -67,6 +69,9 @@ __all__ = [
     "AsyncSave",
     "TieredSave",
     "RngRestoreWarning",
+    "CheckpointManager",
+    "Preempted",
+    "TierSkippedWarning",
     "ResumeWarning",
     "CheckpointError",
     "HeaderError",

@@ -33,6 +33,7 @@ __all__ = [
     "ConcurrentModificationError",
     "SaveCancelledError",
     "ConcurrentSaveError",
+    "TierSkippedWarning",
     "ResumeWarning",
 ]
 
@@ -133,6 +134,12 @@ class ConcurrentSaveError(CheckpointError, FileExistsError):
     """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
     conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
     were removed. The message names the manifest object."""
+
+
+class TierSkippedWarning(UserWarning):
+    """A checkpoint tier (the memory tier, a peer's replica, the local or the remote durable tier) held a damaged,
+    partial or unreadable checkpoint, so a restore skipped it and went on to the next one. The message names the
+    tier, the folder (or URL), the step and the error; nothing of it was applied."""
 
 
 class ResumeWarning(UserWarning):
