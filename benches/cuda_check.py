@@ -225,8 +225,8 @@ def time_cuda_path(gb: float, rounds: int, folder: pathlib.Path,
 
     import fastckpt
     from benches._measure import drop_caches, fsync_tree, raw_read, raw_write
-    from fastckpt._io import async_writer as _async
-    from fastckpt._io.commit import write_checkpoint
+    from fastckpt._io.async_save import writer as _async
+    from fastckpt._io.storage.local.commit import write_checkpoint
     from fastckpt._plan.save import build_save_plan
 
     model, optimizer = _gpu_state(gb)

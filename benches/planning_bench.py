@@ -18,7 +18,7 @@ Counted on every rank during each call, by wrapping the calls (nothing is sample
 - ``collective KB sent``: the pickled size of what the rank hands to those object collectives (its plan in a
   gather, the plans the coordinator scatters, ...);
 - ``store ops`` / ``store KB``: requests to the process group's key-value store (fastckpt's own steps, see
-  :mod:`fastckpt._io.distributed`) and the bytes set + read through it;
+  :mod:`fastckpt._io.group.distributed`) and the bytes set + read through it;
 - ``plan ms``: the coordinator's planning work (``create_global_plan`` of DCP's planners, the storage writer's
   ``prepare_global_plan`` and ``finish``), on rank 0; ``global plan ms``: the ``create_global_plan`` part (what a
   cached plan skips; ``finish`` merges each save's write results and runs every time).

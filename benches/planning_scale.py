@@ -14,7 +14,7 @@ its ``step`` replicated on every rank, as FSDP2 gives them):
   save of an unchanged state);
 - ``writer``: ``fastckpt.dcp.StorageWriter.prepare_global_plan`` and ``finish`` (every rank's write results merged
   into ``dcp_metadata.json``, written);
-- ``manifest``: fastckpt's manifest merge (:func:`fastckpt._io.layout.manifest_dict` over every rank's shard file
+- ``manifest``: fastckpt's manifest merge (:func:`fastckpt._io.storage.local.layout.manifest_dict` over every rank's shard file
   and RNG file, serialised);
 - ``rank load plan``: one rank's own load planning (``DefaultLoadPlanner`` over the merged metadata, for its own
   rows of every tensor), which DCP runs on every rank;
@@ -142,7 +142,7 @@ def manifest_merge(world: int, dcp_files: dict[str, Any]) -> str:
     """fastckpt's manifest of a sharded save with ``world`` RNG files and the DCP part's files."""
     import json
 
-    from fastckpt._io.layout import manifest_dict, random_states_name
+    from fastckpt._io.storage.local.layout import manifest_dict, random_states_name
 
     files = {random_states_name(r): 2048 for r in range(world)}
     checksums = {name: {"crc32c": "00000000"} for name in files}

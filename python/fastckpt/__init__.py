@@ -6,9 +6,9 @@ a ``model_only`` switch on both sides; ``fastckpt.torch`` is a drop-in ``safeten
 
 from __future__ import annotations
 
-from fastckpt._io.async_writer import AsyncSave, release_buffers
-from fastckpt._io.integrity import VerifyReport, check_checkpoint
-from fastckpt._io.object_tiered import TieredSave
+from fastckpt._io.async_save.writer import AsyncSave, release_buffers
+from fastckpt._io.storage.local.integrity import VerifyReport, check_checkpoint
+from fastckpt._io.storage.tiered.upload import TieredSave
 from fastckpt._state.rng import RngRestoreWarning
 from fastckpt._version import __version__
 from fastckpt.checkpoint import LoadResult, latest_checkpoint, load_state, save_state, verify_checkpoint

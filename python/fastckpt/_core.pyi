@@ -150,7 +150,7 @@ def write_assembled(
 
 @final
 class WriteProgress:
-    """Per-tensor progress of one write from live tensor memory, shared with Python (``fastckpt._io.async_stream``).
+    """Per-tensor progress of one write from live tensor memory, shared with Python (``fastckpt._io.async_save.stream``).
 
     Args:
         sizes: each tensor's size in bytes, numbered as :func:`write_files_checked` numbers them.
@@ -257,7 +257,7 @@ class SafetensorsFile:
         ``mmap=False`` maps nothing: the tensors are read only by ``read_into`` / ``read_ranges`` (bounded memory),
         and the buffer protocol raises BufferError.
         ``open_path``: open this path instead and name the file ``path`` in errors and :attr:`path` (a path relative
-        to a pinned folder handle, ``/proc/self/fd/N/name``: see :mod:`fastckpt._io.folder`).
+        to a pinned folder handle, ``/proc/self/fd/N/name``: see :mod:`fastckpt._io.storage.local.folder`).
 
         Raises:
             HeaderError, TruncatedFileError, DtypeError: a malformed file, or one that is not a regular file (a

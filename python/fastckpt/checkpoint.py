@@ -17,20 +17,20 @@ from typing import Any, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
 
-from fastckpt._io.async_modes import check_mode, start_async
-from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
-from fastckpt._io.commit import check_target, write_checkpoint
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
-from fastckpt._io.folder import RETRIES, opened_files, pinned
-from fastckpt._io.integrity import VerifyReport
-from fastckpt._io.integrity import verify_checkpoint as _verify_local
-from fastckpt._io.layout import latest_checkpoint as _latest_local
-from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.async_save.modes import check_mode, start_async
+from fastckpt._io.async_save.snapshot import has_device_tensors
+from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit, wait_for_saves_to
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.log import log_load
-from fastckpt._io.object_api import fetched, latest_remote, remote_target, save_remote
-from fastckpt._io.object_store import remote_url
-from fastckpt._io.object_tiered import TieredSave, finish_tiered, start_tiered
-from fastckpt._io.snapshot import has_device_tensors
+from fastckpt._io.storage.local.commit import check_target, write_checkpoint
+from fastckpt._io.storage.local.folder import RETRIES, opened_files, pinned
+from fastckpt._io.storage.local.integrity import VerifyReport
+from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
+from fastckpt._io.storage.local.numbering import latest_checkpoint as _latest_local
+from fastckpt._io.storage.local.numbering import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target, save_remote
+from fastckpt._io.storage.object.store import remote_url
+from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered, start_tiered
 from fastckpt._plan.load import plan_load, resolve_input_dir
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
@@ -194,7 +194,7 @@ def save_state(
     """Save a training state (or only the model weights) to a checkpoint folder, crash-safely.
 
     Mirrors ``accelerate.Accelerator.save_state``'s layout and file names without pickle; see
-    :mod:`fastckpt._io.layout` for the files.
+    :mod:`fastckpt._io.storage.local.layout` for the files.
 
     Args:
         model: a module or a list of modules (``model.safetensors``, ``model_1.safetensors``, ...).
@@ -224,7 +224,7 @@ def save_state(
             restores it.
         async_save: every mode commits exactly the state at the call or raises
             ``ConcurrentModificationError`` (committing nothing; the previous checkpoint stays), except for the one
-            limit of ``"stream"`` (see :mod:`fastckpt._io.async_modes`). ``True``: on the CPU, return once the
+            limit of ``"stream"`` (see :mod:`fastckpt._io.async_save.modes`). ``True``: on the CPU, return once the
             module buffers, small tensors and unowned parameters are copied and every parameter and optimizer
             state tensor is hashed (xxh3-128, in parallel, GIL released; reads the state once, no copy); they
             are written in the background straight from the live tensors, each passed optimizer's next
@@ -237,7 +237,7 @@ def save_state(
             raw pointers) after the call and before the tensor is written is not detected and is saved. On CUDA
             it copies on a side stream the caller's stream does not wait for, so such writes race the copies.
             ``"snapshot"``: copy the whole state into a reused host buffer pool at the call, then write in the
-            background (see :mod:`fastckpt._io.async_writer`). At most one async save is in flight: a second
+            background (see :mod:`fastckpt._io.async_save.writer`). At most one async save is in flight: a second
             one waits for the first to be written.
         host_memory_budget: with ``async_save=True`` or ``"stream"``, host bytes (pinned with CUDA) the save may hold for
             copies (an int, or ``"4GB"``, ``"512MiB"``); None: as needed, at most the state's size. Below what a
@@ -256,7 +256,7 @@ def save_state(
         share_unchanged: with automatic naming (``output_dir=None``) or an ``output_dir`` inside ``project_dir``'s
             ``checkpoints``: frozen tensors go to shard files of their own, and a shard whose tensors all equal
             the previous checkpoint's (name, dtype, shape, xxh3-128) is hard-linked from it instead of written
-            (see :mod:`fastckpt._io.sharing`).
+            (see :mod:`fastckpt._io.storage.local.sharing`).
         timeout: sharded (DTensor / FSDP2) saves: seconds each process waits for the others at each step before
             raising :class:`~fastckpt.errors.CollectiveTimeoutError` (a process died or never called save_state).
         storage_options: for ``s3://`` locations: S3 settings over the ``AWS_*`` environment (``endpoint_url``,
@@ -268,7 +268,7 @@ def save_state(
             ``async_save`` included), then that folder is uploaded in the background and committed at ``remote``
             (with automatic naming ``remote`` is a project prefix and the local name is used under it:
             ``{remote}/checkpoints/checkpoint_{n}``; ``total_limit`` rotates both tiers, the remote one after the
-            newer remote commit). Returns a :class:`~fastckpt._io.object_tiered.TieredSave`; until its upload
+            newer remote commit). Returns a :class:`~fastckpt._io.storage.tiered.upload.TieredSave`; until its upload
             committed, the previous remote checkpoint is the latest. The next tiered save first waits for the
             upload in flight (raising its error if no ``wait()`` did).
 
@@ -278,7 +278,7 @@ def save_state(
     ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first written to a
     private local folder, then uploaded) and commits by creating ``prefix/manifests/{n}.json`` last with a
     conditional put; older saves' objects are deleted only after that (see
-    :mod:`fastckpt._io.object_commit`). With ``async_save`` (any mode) the state is copied into the host buffer
+    :mod:`fastckpt._io.storage.object.commit`). With ``async_save`` (any mode) the state is copied into the host buffer
     pool at the call (a snapshot: the call costs about one memcpy of the state, CUDA tensors included) and uploaded
     from that copy on the writer thread; ``wait()`` returns the URL once the manifest object exists (not for
     sharded models yet). Not with ``share_unchanged`` yet.
@@ -295,9 +295,9 @@ def save_state(
     uploads what a one-process model-only save uploads.
 
     Returns:
-        The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_writer.AsyncSave` handle whose
+        The committed checkpoint folder; with ``async_save``, an :class:`~fastckpt._io.async_save.writer.AsyncSave` handle whose
         ``wait()`` returns it once committed; for ``s3://``, the checkpoint's URL (a ``str``); with ``remote``, a
-        :class:`~fastckpt._io.object_tiered.TieredSave` (``wait_local()``, ``wait()`` for the remote commit).
+        :class:`~fastckpt._io.storage.tiered.upload.TieredSave` (``wait_local()``, ``wait()`` for the remote commit).
 
     Raises:
         DtypeError: a tensor dtype the format cannot store (names the tensor).
@@ -400,7 +400,7 @@ def save_state(
         if auto and total_limit is not None:
             rotate_checkpoints(root, total_limit, model_only=model_only)
 
-    if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_modes)
+    if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_save.modes)
         return start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), target.absolute(),
                            async_save, write=write, budget=host_memory_budget, auto_named=auto, after=after)
     if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
@@ -519,7 +519,7 @@ def load_state(
             its shards; a shard index naming absent shards raises MissingStateError listing all of them.
         UnsafePickleError: an accelerate file needs full unpickling and ``trust_pickle`` is False.
         CheckpointChangedError: other saves replaced the folder while it was being read, 5 times in a row (each
-            time the load started over; every file of a load comes from one save, see :mod:`fastckpt._io.folder`).
+            time the load started over; every file of a load comes from one save, see :mod:`fastckpt._io.storage.local.folder`).
         RngRestoreWarning (warning): RNG states for CUDA devices this machine lacks are skipped; a process whose
             rank the sharded save did not have keeps its RNG states; a checkpoint saved by more processes than this
             run has: the warning names the ``random_states_{rank}`` files not restored.

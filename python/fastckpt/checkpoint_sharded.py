@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
-from fastckpt._io.distributed import Session, process_rank
-from fastckpt._io.folder import pinned
-from fastckpt._io.layout import next_checkpoint_dir, rotate_checkpoints
-from fastckpt._io.object_api import opened, pick_remote, remote_target
-from fastckpt._io.object_commit import RemoteCheckpoint
-from fastckpt._io.object_sharded import ObjectSave
-from fastckpt._io.object_store import ObjectUrl, parse_url
+from fastckpt._io.group.distributed import Session, process_rank
+from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.numbering import next_checkpoint_dir, rotate_checkpoints
+from fastckpt._io.storage.object.api import opened, pick_remote, remote_target
+from fastckpt._io.storage.object.fetch import RemoteCheckpoint
+from fastckpt._io.storage.object.sharded import ObjectSave
+from fastckpt._io.storage.object.store import ObjectUrl, parse_url
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 
@@ -60,7 +60,7 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, outp
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
                              "written through torch.distributed.checkpoint; pass None")
     if max_shard_size is not None:
-        from fastckpt._io.shards import parse_size
+        from fastckpt._io.storage.local.shards import parse_size
 
         max_shard_size = parse_size(max_shard_size)
     if async_save:
@@ -183,7 +183,7 @@ def _picked(url: ObjectUrl | None, project: ObjectUrl | None, model_only: bool,
 
 
 def _saved_mode(folder: Path) -> Any:
-    from fastckpt._io.layout import read_manifest
+    from fastckpt._io.storage.local.layout import read_manifest
     from fastckpt.errors import MissingStateError
 
     try:
@@ -199,7 +199,7 @@ def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, str
     rank's shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from fastckpt._io.layout import checkpoint_layout
+    from fastckpt._io.storage.local.layout import checkpoint_layout
     from fastckpt._plan.full_load import plan_full
 
     full: list = []

@@ -18,12 +18,12 @@ from typing import Any, Sequence
 
 import torch
 
-from fastckpt._io.async_modes import check_mode, start_async
-from fastckpt._io.async_writer import AsyncSave, finish_pending, submit, wait_for_saves_to
-from fastckpt._io.commit import check_target, write_checkpoint
-from fastckpt._io.folder import RETRIES, pinned
+from fastckpt._io.async_save.modes import check_mode, start_async
+from fastckpt._io.async_save.snapshot import has_device_tensors
+from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.location import check_location
-from fastckpt._io.snapshot import has_device_tensors
+from fastckpt._io.storage.local.commit import check_target, write_checkpoint
+from fastckpt._io.storage.local.folder import RETRIES, pinned
 from fastckpt._plan.dict_load import read_dict_checkpoint
 from fastckpt._plan.dict_save import build_dict_plan
 from fastckpt._plan.load import check_input_dir
@@ -96,7 +96,7 @@ def save(
     target = check_target(path, "path")
     plan = build_dict_plan(obj, trust_pickle=trust_pickle)
     write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-    if async_save:  # the modes of save_state (fastckpt._io.async_modes); without optimizers a snapshot
+    if async_save:  # the modes of save_state (fastckpt._io.async_save.modes); without optimizers a snapshot
         return start_async(plan, opts, target.absolute(), async_save if opts else "snapshot", write=write,
                            budget=host_memory_budget)
     if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write

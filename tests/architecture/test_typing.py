@@ -25,9 +25,9 @@ follow_imports = normal
 follow_imports = normal
 [mypy-fastckpt.accelerate]
 follow_imports = normal
-[mypy-fastckpt._io.async_writer]
+[mypy-fastckpt._io.async_save.writer]
 follow_imports = normal
-[mypy-fastckpt._io.object_tiered]
+[mypy-fastckpt._io.storage.tiered.upload]
 follow_imports = normal
 """
 
@@ -47,7 +47,7 @@ def f(model, accelerator, flag: bool) -> None:
     reveal_type(fastckpt.accelerate.save_state(accelerator, "c", async_save=flag))
 """
 
-PATH, HANDLE, TIERED = "pathlib.Path", "fastckpt._io.async_writer.AsyncSave", "fastckpt._io.object_tiered.TieredSave"
+PATH, HANDLE, TIERED = "pathlib.Path", "fastckpt._io.async_save.writer.AsyncSave", "fastckpt._io.storage.tiered.upload.TieredSave"
 EITHER = f"{PATH} | {HANDLE}"
 
 

@@ -13,7 +13,7 @@ import pytest
 from helpers.common import assert_model_state, batches, make_training_state, model_clone, train
 
 import fastckpt
-from fastckpt._io.layout import read_manifest
+from fastckpt._io.storage.local.layout import read_manifest
 from fastckpt.cli import main as cli
 from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 

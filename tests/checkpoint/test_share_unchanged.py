@@ -17,7 +17,8 @@ from helpers.finetune import make_frozen_base, trained
 
 import fastckpt
 from fastckpt import _core
-from fastckpt._io import sharing, tensor_hashes
+from fastckpt._io import tensor_hashes
+from fastckpt._io.storage.local import sharing
 
 FROZEN = "model-00001-of-00002.safetensors"
 TRAIN = "model-00002-of-00002.safetensors"
@@ -121,7 +122,7 @@ import os, sys, torch
 sys.path.insert(0, {tests!r})
 from helpers.finetune import make_frozen_base, trained
 import fastckpt
-from fastckpt._io import sharing
+from fastckpt._io.storage.local import sharing
 model = make_frozen_base(0, head_seed=1)
 opt = trained(model)
 fastckpt.save_state(model, opt, project_dir={root!r}, share_unchanged=True)

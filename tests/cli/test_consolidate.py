@@ -122,7 +122,7 @@ def test_exit_statuses(gpt2_checkpoint, tmp_path, capsys):
 CONSOLIDATE_SCRIPT = """
 import json, sys
 from fastckpt.cli import main
-import fastckpt._io.dcp_consolidate, fastckpt.cli.consolidate, tqdm  # imported before the measurement
+import fastckpt._io.dcp.consolidate, fastckpt.cli.consolidate, tqdm  # imported before the measurement
 
 def hwm_kib():
     for line in open("/proc/self/status"):

@@ -19,7 +19,7 @@ from torch import nn
 
 import fastckpt
 import fastckpt.checkpoint as checkpoint_module
-from fastckpt._io.commit import write_checkpoint
+from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._plan.save import build_save_plan
 
 TIMEOUT = 60  # seconds: only reached when the GIL is held (the test then fails instead of hanging)

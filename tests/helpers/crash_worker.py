@@ -51,7 +51,7 @@ def build_state(seed: int, mb: int):
 
 
 def _hold_before_manifest() -> None:
-    from fastckpt._io import commit
+    from fastckpt._io.storage.local import commit
 
     real, held = commit.write_text, []
 

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fastckpt.dcp
 import fastckpt.dcp.writer as writer_module
 from fastckpt import _core
-from fastckpt._io.staging import leftovers
+from fastckpt._io.storage.local.staging import leftovers
 from helpers.dcp_state import SHARDED, as_dtensors, full_state, mismatches, template
 
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]

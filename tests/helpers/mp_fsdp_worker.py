@@ -108,7 +108,7 @@ def s3_saves(kind: str, model, opt, sched) -> None:
 
 def scenario_s3(rank: int, world: int) -> None:
     """Loads of the s3 saves on W ranks, automatic naming, a damaged object, a save that fails on rank 1."""
-    from fastckpt._io.object_commit import RemoteCheckpoint
+    from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 
     real_fetch, fetched = RemoteCheckpoint.fetch, []
 
@@ -245,7 +245,7 @@ def scenario_failures(rank: int, world: int) -> None:
 
 def counted_rounds(fn) -> dict[str, int]:
     """Collective rounds ``fn()`` makes on this rank: fastckpt's store steps, torch.distributed object collectives."""
-    from fastckpt._io.distributed import Session
+    from fastckpt._io.group.distributed import Session
 
     counts = {"store steps": 0, "collectives": 0}
     saved = {name: getattr(dist, name) for name in ("gather_object", "scatter_object_list", "broadcast_object_list",

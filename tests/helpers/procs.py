@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt._io.staging import leftovers
+from fastckpt._io.storage.local.staging import leftovers
 from helpers.crash_worker import BigNet, build_state
 
 WORKER = Path(__file__).parent / "crash_worker.py"

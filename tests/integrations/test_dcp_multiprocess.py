@@ -19,7 +19,7 @@ from helpers.dcp_state import full_state, mismatches, same, template
 from safetensors import safe_open
 
 import fastckpt.dcp
-from fastckpt._io.staging import leftovers
+from fastckpt._io.storage.local.staging import leftovers
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dcp_worker.py"
 

@@ -294,8 +294,8 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
 @pytest.fixture
 def fetch():
     """``fetch(url)``: a context giving the committed ``s3://`` checkpoint as a local folder (one process)."""
-    from fastckpt._io.object_api import fetched
-    from fastckpt._io.object_store import parse_url
+    from fastckpt._io.storage.object.api import fetched
+    from fastckpt._io.storage.object.store import parse_url
 
     return lambda url: fetched(parse_url(url, "url"), None, model_only=False, storage_options=None)
 

@@ -16,7 +16,7 @@ import torch
 from helpers.fsdp_models import build, full_state, optimizer_for, reference, same
 
 import fastckpt
-from fastckpt._io.staging import leftovers
+from fastckpt._io.storage.local.staging import leftovers
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_fsdp_crash.py"
 

@@ -1,4 +1,4 @@
-"""Who takes part in a ``fastckpt.accelerate.save_state`` (:mod:`fastckpt._io.participation`) with three real
+"""Who takes part in a ``fastckpt.accelerate.save_state`` (:mod:`fastckpt._io.group.participation`) with three real
 processes (torchrun, gloo, CPU; one launch of tests/helpers/mp_participation_worker.py): a rank that comes after
 rank 0 decided the round still joins the one commit; rank 0 alone saves alone; all three commit together. The
 two-process cases (the diffusers pattern, the FSDP2 refusal) are in test_fsdp_accelerate.py."""

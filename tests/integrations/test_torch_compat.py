@@ -107,7 +107,7 @@ def test_overlap_check_without_torchs_private_probe_agrees_with_it(monkeypatch):
 def test_no_dist_is_passed_only_to_a_dcp_call_that_takes_it():
     import torch.distributed.checkpoint as dcp
 
-    from fastckpt._io.torch_compat import no_dist_kwargs
+    from fastckpt._io.group.torch_compat import no_dist_kwargs
 
     def old_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None):
         """dcp.save's signature in torch 2.6"""

@@ -158,7 +158,7 @@ def test_a_stock_file_that_needs_full_unpickling_is_refused(tmp_path):
 
 
 def test_async_save_gives_the_same_run_and_checkpoints(uninterrupted, tmp_path, monkeypatch):
-    from fastckpt._io.async_writer import AsyncSave
+    from fastckpt._io.async_save.writer import AsyncSave
 
     out, full = uninterrupted
     in_flight = []

@@ -22,7 +22,7 @@ import os, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import torch
 import fastckpt
-from fastckpt._io import async_stream
+from fastckpt._io.async_save import stream as async_stream
 from crash_worker import build_state
 
 model, opt, sched = build_state({new}, {mb})

@@ -26,7 +26,7 @@ _CHILD = """
 import atexit, concurrent.futures, os, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
-from fastckpt._io import async_stream
+from fastckpt._io.async_save import stream as async_stream
 from crash_worker import build_state
 
 model, opt, sched = build_state({new}, {mb})

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt._io import async_writer as _async
-from fastckpt._io.async_writer import AsyncSave
-from fastckpt._io.host_pool import HostBufferPool
+from fastckpt._io.async_save import writer as _async
+from fastckpt._io.async_save.host_pool import HostBufferPool
+from fastckpt._io.async_save.writer import AsyncSave
 
 
 def _model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

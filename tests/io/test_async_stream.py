@@ -18,7 +18,7 @@ from torch import nn
 
 import fastckpt
 import fastckpt.checkpoint as checkpoint_module
-from fastckpt._io import async_writer as _async
+from fastckpt._io.async_save import writer as _async
 from fastckpt.errors import ConcurrentModificationError
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import fastckpt
-from fastckpt._io import folder as folder_mod
+from fastckpt._io.storage.local import folder as folder_mod
 
 HELPERS = Path(__file__).parent.parent / "helpers"
 sys.path.insert(0, str(HELPERS))

@@ -82,7 +82,7 @@ def test_c18_two_processes_save_to_one_output_dir(tmp_path, existing):
 def test_c18_two_processes_with_automatic_naming(tmp_path):
     lines = _race(tmp_path, "--auto", "--repeat", "2")
     saved = {line.split()[1] for line in lines}
-    committed = fastckpt._io.layout.checkpoint_numbers(tmp_path)
+    committed = fastckpt._io.storage.local.numbering.checkpoint_numbers(tmp_path)
     assert {str(p) for p in committed.values()} == saved
     for n, folder in committed.items():
         assert which_state(folder, MB, {"a": SEEDS["a"], "b": SEEDS["b"]}) in ("a", "b"), n

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt._io.commit import write_checkpoint
-from fastckpt._io.host_pool import HostBufferPool
-from fastckpt._io.snapshot import Snapshot, _Copy, snapshot_plan
+from fastckpt._io.async_save.host_pool import HostBufferPool
+from fastckpt._io.async_save.snapshot import Snapshot, _Copy, snapshot_plan
+from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._plan.save import build_save_plan
 
 try:
@@ -115,7 +115,7 @@ def test_async_save_of_cuda_state_holds_the_values_at_the_call(tmp_path):
     _train(fresh, fresh_opt, 5)
     fastckpt.load_state(fresh, fresh_opt, input_dir=tmp_path / "ckpt")
     _assert_state(fresh, fresh_opt, weights, moments)
-    from fastckpt._io.async_writer import default_saver
+    from fastckpt._io.async_save.writer import default_saver
 
     assert all(s.buffer is None or s.buffer.is_pinned() for s in default_saver().pool.slots)
 
@@ -150,8 +150,8 @@ def test_map_location_cuda_puts_fresh_optimizer_state_on_the_device(tmp_path):
 
 @needs_cuda
 def test_large_and_strided_cuda_tensors_round_trip(tmp_path):
+    from fastckpt._io.async_save.snapshot import CUDA_CHUNK_BYTES
     from fastckpt._io.device_load import BOUNCE_BYTES
-    from fastckpt._io.snapshot import CUDA_CHUNK_BYTES
 
     class Big(nn.Module):
         def __init__(self) -> None:

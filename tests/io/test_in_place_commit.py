@@ -18,7 +18,7 @@ from helpers.common import assert_model_state, make_training_state, model_clone,
 
 import fastckpt
 import fastckpt.torch
-from fastckpt._io import in_place
+from fastckpt._io.storage.local import in_place
 
 NOBODY = 65534
 

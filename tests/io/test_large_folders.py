@@ -12,7 +12,7 @@ import torch
 from helpers.common import assert_model_state, make_training_state, model_clone
 
 import fastckpt
-from fastckpt._io import staging
+from fastckpt._io.storage.local import staging
 
 MANY = 30_000
 

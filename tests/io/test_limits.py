@@ -18,7 +18,7 @@ import fastckpt
 import fastckpt.dcp
 import fastckpt.torch as ft
 from fastckpt import _core
-from fastckpt._io.shards import read_index
+from fastckpt._io.storage.local.shards import read_index
 
 _OVER = _core.MAX_HEADER_BYTES + 1  # a metadata value this long takes the header over the limit
 

@@ -136,12 +136,12 @@ def _watch_fetches(monkeypatch, tmp_path) -> list[dict[str, str]]:
     import os
     import tempfile
 
-    from fastckpt._io import object_commit
+    from fastckpt._io.storage.object import fetch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     seen: list[dict[str, str]] = []
-    close = object_commit._MemoryFolder.close
+    close = fetch._MemoryFolder.close
 
     def record(space) -> None:
         found = {}
@@ -160,7 +160,7 @@ def _watch_fetches(monkeypatch, tmp_path) -> list[dict[str, str]]:
             seen.append(found)
         close(space)
 
-    monkeypatch.setattr(object_commit._MemoryFolder, "close", record)
+    monkeypatch.setattr(fetch._MemoryFolder, "close", record)
     return seen
 
 
@@ -200,12 +200,12 @@ def test_a_load_from_s3_writes_nothing_to_local_disk(reader, s3_url, tmp_path, m
 
 def test_a_checkpoint_larger_than_the_memory_available_is_read_into_a_temp_folder(s3_url, tmp_path, monkeypatch,
                                                                                      caplog):
-    from fastckpt._io import object_commit
+    from fastckpt._io.storage.object import fetch
 
     model, opt, sched = build_state(6, 2)
     fastckpt.save_state(model, opt, sched, output_dir=s3_url)
     seen = _watch_fetches(monkeypatch, tmp_path)
-    monkeypatch.setattr(object_commit, "memory_available", lambda: 1000)
+    monkeypatch.setattr(fetch, "memory_available", lambda: 1000)
     live = build_state(7, 2)
     with caplog.at_level("WARNING", logger="fastckpt"):
         fastckpt.load_state(*live, input_dir=s3_url)

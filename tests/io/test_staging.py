@@ -15,7 +15,7 @@ from helpers.common import make_tiny
 from helpers.fault_log import record
 
 import fastckpt
-from fastckpt._io.staging import OwnedPath, clean_leftovers, leftovers
+from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers, leftovers
 
 
 def _dead(parent, target: str, kind: str = "staging", *, lock: bool = True, pid: int = 999_999_999):
@@ -52,7 +52,7 @@ def test_a_live_owner_is_never_touched(tmp_path):
     assert not live.path.exists() and not live.lock_path.exists()  # released: both gone
     # Held by another process: the same.
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, pathlib; from fastckpt._io.staging import OwnedPath\n"
+        "import sys, pathlib; from fastckpt._io.storage.local.staging import OwnedPath\n"
         f"o = OwnedPath(pathlib.Path({str(tmp_path)!r}), 'ckpt'); o.path.mkdir(); print(o.path, flush=True)\n"
         "sys.stdin.readline()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     path = holder.stdout.readline().strip()
@@ -85,7 +85,7 @@ def test_cleanup_skips_what_it_may_not_remove():
         shared.chmod(0o755)
         staging = _dead(shared, "ckpt")
         (shared / (staging.name + ".lock")).chmod(0o666)
-        code = ("import os, pathlib; from fastckpt._io.staging import clean_leftovers\n"
+        code = ("import os, pathlib; from fastckpt._io.storage.local.staging import clean_leftovers\n"
                 "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
                 f"print(clean_leftovers(pathlib.Path({str(shared)!r})))")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

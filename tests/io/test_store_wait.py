@@ -1,4 +1,4 @@
-"""The store waits and connections of :mod:`fastckpt._io.store_wait`, on a real ``TCPStore``: a wait ends when the
+"""The store waits and connections of :mod:`fastckpt._io.group.store_wait`, on a real ``TCPStore``: a wait ends when the
 last key is set and starts no thread, a released wait sets the missing keys to the given value, a lost server is an
 error, and the heartbeat thread talks to the store through a pooled connection of its own."""
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fastckpt._io.store_wait import KeyWait
+from fastckpt._io.group.store_wait import KeyWait
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ class _ThreadRecorder:
 def test_the_heartbeat_thread_beats_on_a_connection_of_its_own(store, monkeypatch):
     # torch's TCPStore client updates per-operation counters outside its connection lock in some versions: two
     # threads on one client object corrupted the heap (malloc(): unaligned tcache chunk detected, in CI)
-    from fastckpt._io import distributed
+    from fastckpt._io.group import distributed
 
     recorder = _ThreadRecorder(store)
     session = distributed.Session.__new__(distributed.Session)

@@ -1,11 +1,15 @@
-"""Layer 2, files and folders: how a checkpoint sits on disk and gets there crash-safely.
+"""Layer 2: where the bytes of a checkpoint live and how they get there crash-safely.
 
-layout (file names, the manifest, automatic naming and rotation), files (``FilePart`` / ``SavePlan``, what the
-writer takes), shards and their index, staging folders and locks, the commit, in-place commits (mount points, unwritable
-parents), pinned folder reads (folder, one save per load), log lines (log), integrity (crc32c), the host buffer
-pool, snapshots and the async writer, device I/O (pinned bounce buffers, side streams), distributed agreement;
-location (the one check of a path's URL scheme) and object storage (``object_*``: ``s3://`` checkpoints committed by a
-manifest object, naming and rotation, the calls' glue).
+Sub-packages by concern, each importing only the ones listed before it (``tests/architecture`` checks the order):
 
-May import: layers 0-1 (``_core``, ``errors``, ``_version``, ``_format``) and other ``_io`` modules.
+- shared modules here: files (``FilePart`` / ``SavePlan``, what a writer takes), log, location (the one check of a
+  path's URL scheme), safe_open (the safetensors-compatible reader), device_load (pinned bounce buffers, side
+  streams), tensor_hashes (content hashes of live tensors);
+- ``group``: process-group plumbing (sessions, participation, store waits);
+- ``storage``: where checkpoints live, the interface (``storage.base``) and one sub-package per backend:
+  ``storage.local`` (folders), ``storage.object`` (``s3://``), ``storage.tiered`` (local, then remote);
+- ``async_save``: background writing, snapshots, streaming from live tensors;
+- ``dcp``: DCP metadata and parts, consolidation.
+
+May import: layers 0-1 (``_core``, ``errors``, ``_version``, ``_format``) and other ``_io`` modules, in that order.
 """

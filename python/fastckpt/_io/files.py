@@ -1,6 +1,6 @@
 """The files of one checkpoint folder, as the writer takes them: :class:`FilePart` (one safetensors file) and
 :class:`SavePlan` (every file of a folder). The plan layer (:mod:`fastckpt._plan.save`) builds them; the commit
-(:mod:`fastckpt._io.commit`), the snapshot and the async writer consume them.
+(:mod:`fastckpt._io.storage.local.commit`), the snapshot and the async writer consume them.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.layout import part_name
+from fastckpt._io.storage.local.layout import part_name
 from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.model import collect_model_state
 from fastckpt._state.rng import RngState

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from fastckpt._format.dtypes import stored_shape, to_safetensors_dtype
-from fastckpt._io.layout import part_name
-from fastckpt._io.shards import has_state_file, open_state_files
+from fastckpt._io.storage.local.layout import part_name
+from fastckpt._io.storage.local.shards import has_state_file, open_state_files
 from fastckpt._plan.accelerate_format import model_file, rng_file, rng_state_from_accelerate, torch_load
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import matching_module, plan_module_load
@@ -89,7 +89,7 @@ def open_model_files(folder: Path, i: int, *, trust_pickle: bool = False) -> lis
     """Model ``i``'s files in accelerate's layout: ``model{_i}.safetensors`` (or shards), else ``pytorch_model{_i}.bin``.
 
     Raises:
-        MissingStateError: neither exists (names both); see also :func:`fastckpt._io.shards.open_state_files`.
+        MissingStateError: neither exists (names both); see also :func:`fastckpt._io.storage.local.shards.open_state_files`.
     """
     base = part_name("model", i, "")
     if has_state_file(folder, base):

@@ -22,11 +22,11 @@ import torch
 from fastckpt import _core
 from fastckpt._format.codec import decode, encode
 from fastckpt._format.tensors import file_tensors, tensor_from_buffer
-from fastckpt._io.commit import write_checkpoint
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.integrity import verify_checkpoint
-from fastckpt._io.layout import MANIFEST, checkpoint_layout, part_name, random_states_name, read_manifest
-from fastckpt._io.shards import has_state_file, open_state_file, open_state_files
+from fastckpt._io.storage.local.commit import write_checkpoint
+from fastckpt._io.storage.local.integrity import verify_checkpoint
+from fastckpt._io.storage.local.layout import MANIFEST, checkpoint_layout, part_name, random_states_name, read_manifest
+from fastckpt._io.storage.local.shards import has_state_file, open_state_file, open_state_files
 from fastckpt._plan.accelerate_format import (
     SCALER_NAME,
     custom_file,
@@ -341,8 +341,8 @@ def _consolidate_sharded(src: Path, dst: Path, *, to: str, max_shard_size: int |
     Raises:
         MissingStateError: ``to`` is not ``"hf-model"``.
     """
-    from fastckpt._io.dcp_consolidate import consolidate
-    from fastckpt._io.shards import parse_size
+    from fastckpt._io.dcp.consolidate import consolidate
+    from fastckpt._io.storage.local.shards import parse_size
 
     if to != "hf-model":
         raise MissingStateError(f"{src}: a sharded (FSDP2 / DTensor) checkpoint, whose tensors are DCP shards; "

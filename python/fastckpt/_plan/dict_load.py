@@ -1,6 +1,6 @@
 """Reading a checkpoint-dict folder (``fastckpt.load``): check every file, then build the object.
 
-The folder is read once, through the pinned folder handle (:mod:`fastckpt._io.folder`): the manifest, then
+The folder is read once, through the pinned folder handle (:mod:`fastckpt._io.storage.local.folder`): the manifest, then
 ``state.json`` and ``state.pkl`` (size and crc32c compared with the manifest on read), then ``state.safetensors``
 (header validated in full). The structure must refer to exactly the tensors the file holds; any disagreement is a
 :class:`~fastckpt.errors.HeaderError` naming the file, before any tensor is moved to a device. A pickle part is read
@@ -18,8 +18,15 @@ import torch
 
 from fastckpt._format.json_input import load_json
 from fastckpt._format.tensors import file_tensors
-from fastckpt._io.folder import open_safetensors
-from fastckpt._io.layout import DICT_LAYOUT, DICT_PICKLE, DICT_STRUCTURE, DICT_TENSORS, MANIFEST, read_manifest
+from fastckpt._io.storage.local.folder import open_safetensors
+from fastckpt._io.storage.local.layout import (
+    DICT_LAYOUT,
+    DICT_PICKLE,
+    DICT_STRUCTURE,
+    DICT_TENSORS,
+    MANIFEST,
+    read_manifest,
+)
 from fastckpt._state.plain_dict import check_structure, rebuild
 from fastckpt.errors import HeaderError, MissingStateError, UnsafePickleError
 

@@ -1,4 +1,4 @@
-"""What ``fastckpt.save(obj, path)`` writes: a plain checkpoint dict as one folder (see :mod:`fastckpt._io.layout`).
+"""What ``fastckpt.save(obj, path)`` writes: a plain checkpoint dict as one folder (see :mod:`fastckpt._io.storage.local.layout`).
 
 =====================  ======================================================================================
 ``state.safetensors``  every tensor of the dict, named by its key path (a flat ``{str: tensor}`` dict: its
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.layout import DICT_LAYOUT, DICT_PICKLE, DICT_STRUCTURE, DICT_TENSORS
+from fastckpt._io.storage.local.layout import DICT_LAYOUT, DICT_PICKLE, DICT_STRUCTURE, DICT_TENSORS
 from fastckpt._state.plain_dict import dict_payload
 
 __all__ = ["build_dict_plan"]

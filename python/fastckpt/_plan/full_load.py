@@ -17,8 +17,8 @@ __all__ = ["plan_full"]
 def plan_full(folder: Path, models: list, optimizers: list, *, model_only: bool, strict: bool,
                layout: str) -> list:
     """FSDP2 FULL_STATE_DICT load, phase 1: every model's and optimizer's full state, checked (nothing changes)."""
-    from fastckpt._io.layout import part_name, read_manifest
-    from fastckpt._io.shards import open_state_file, open_state_files
+    from fastckpt._io.storage.local.layout import part_name, read_manifest
+    from fastckpt._io.storage.local.shards import open_state_file, open_state_files
     from fastckpt._state.sharded import owner_model
     from fastckpt._state.sharded_full import read_full_model, read_full_optimizer
 

@@ -13,16 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._format.json_input import decode_json, load_json
-from fastckpt._io.folder import open_safetensors
-from fastckpt._io.layout import (
-    MANIFEST,
-    checkpoint_layout,
-    checkpoint_numbers,
-    part_name,
-    random_states_name,
-    read_manifest,
-)
-from fastckpt._io.shards import open_state_file, open_state_files
+from fastckpt._io.storage.local.folder import open_safetensors
+from fastckpt._io.storage.local.layout import MANIFEST, checkpoint_layout, part_name, random_states_name, read_manifest
+from fastckpt._io.storage.local.numbering import checkpoint_numbers
+from fastckpt._io.storage.local.shards import open_state_file, open_state_files
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import matching_module, plan_module_load
 from fastckpt._state.optimizer import optimizer_class_name, param_fqns, read_optimizer_state
@@ -83,7 +77,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
     """Phase 1 of a load: read and validate everything ``folder`` must provide; change nothing.
 
     Reads fastckpt's layout (sharded model / optimizer files included) and accelerate's (see
-    :func:`fastckpt._io.layout.checkpoint_layout` and :mod:`fastckpt._plan.accelerate_load`).
+    :func:`fastckpt._io.storage.local.layout.checkpoint_layout` and :mod:`fastckpt._plan.accelerate_load`).
 
     Args:
         trust_pickle: accelerate's layout only: allow full unpickling where ``weights_only=True`` refuses a file.

@@ -2,7 +2,7 @@
 
 :func:`build_save_plan` turns live objects into a :class:`SavePlan`: the safetensors files (name, tensors,
 metadata) and the small JSON files of one checkpoint. Tensors in a plan are the live tensors themselves (no
-copies); the writer (:mod:`fastckpt._io.commit`) streams them to disk. With ``model_only`` only the model tensors
+copies); the writer (:mod:`fastckpt._io.storage.local.commit`) streams them to disk. With ``model_only`` only the model tensors
 are collected: the optimizer and scheduler are never read.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from fastckpt._format.codec import encode
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.layout import part_name, random_states_name
+from fastckpt._io.storage.local.layout import part_name, random_states_name
 from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.model import collect_model_state
 from fastckpt._state.optimizer import optimizer_payload, param_fqns
@@ -28,10 +28,10 @@ __all__ = ["FilePart", "SavePlan", "build_save_plan"]
 
 
 def _shard(plan: SavePlan, max_shard_size: int | str | None) -> SavePlan:
-    """Split the model and optimizer parts of ``plan`` into Hugging Face shards (see :mod:`fastckpt._io.shards`)."""
+    """Split the model and optimizer parts of ``plan`` into Hugging Face shards (see :mod:`fastckpt._io.storage.local.shards`)."""
     if max_shard_size is None:
         return plan
-    from fastckpt._io.shards import parse_size, split_part
+    from fastckpt._io.storage.local.shards import parse_size, split_part
 
     limit = parse_size(max_shard_size)
     parts: list[FilePart] = []
@@ -92,7 +92,7 @@ def build_save_plan(
     dtype: torch.dtype | None = None,
     threads: int = 0,
 ) -> SavePlan:
-    """Collect the files of a checkpoint (see :mod:`fastckpt._io.layout` for the names).
+    """Collect the files of a checkpoint (see :mod:`fastckpt._io.storage.local.layout` for the names).
 
     Args:
         max_shard_size: split model and optimizer files larger than this (bytes, or ``"10GB"``) into

@@ -20,11 +20,11 @@ import torch
 
 from fastckpt import _core
 from fastckpt._format.tensors import tensor_sources
-from fastckpt._io.commit import fsync_dir, write_text
 from fastckpt._io.files import SavePlan
-from fastckpt._io.integrity import digest_entry, text_entry
-from fastckpt._io.layout import MANIFEST, manifest_dict
-from fastckpt._io.object_sharded import ObjectSave
+from fastckpt._io.storage.local.commit import fsync_dir, write_text
+from fastckpt._io.storage.local.integrity import digest_entry, text_entry
+from fastckpt._io.storage.local.layout import MANIFEST, manifest_dict
+from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._state.sharded import tied_names
 
 __all__ = ["parts_of", "assemble_model_files", "commit_local", "commit_remote", "full_model_states"]
@@ -66,8 +66,8 @@ def assemble_model_files(staging: Path, parts: list[str], aliases: list[dict[str
     """Main process, model-only saves: each model part's DCP shards in ``staging/{part}`` -> the files a one-process
     model-only save writes (``model.safetensors``, or Hugging Face shards + index), assembled by positional copies
     in the Rust core (``fastckpt consolidate``'s code); the DCP subfolders are removed. Returns their checksums."""
-    from fastckpt._io.dcp_consolidate import write_model_files
-    from fastckpt._io.dcp_files import read_dcp_metadata
+    from fastckpt._io.dcp.consolidate import write_model_files
+    from fastckpt._io.dcp.files import read_dcp_metadata
 
     checksums: dict[str, dict[str, Any]] = {}
     for i, sub in enumerate(parts):

@@ -21,9 +21,9 @@ import torch
 
 from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
-from fastckpt._io.distributed import Session
-from fastckpt._io.folder import verify_file
-from fastckpt._io.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
+from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.local.folder import verify_file
+from fastckpt._io.storage.local.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
 from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
 from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
 from fastckpt.errors import MissingStateError

@@ -1,12 +1,12 @@
 """A sharded save (FSDP2 / DTensor): every rank writes its shards through torch.distributed.checkpoint (DCP) into the
 checkpoint's staging folder, the main process adds the small files, and the folder is committed once.
 
-Every rank calls :func:`save_sharded` with the same arguments. The steps (each a :class:`~fastckpt._io.distributed.
+Every rank calls :func:`save_sharded` with the same arguments. The steps (each a :class:`~fastckpt._io.group.distributed.
 Session` step, so a process that died or never called it makes the others raise within ``timeout``):
 
 1. ``arrive``: every rank's arguments on the main process, which refuses a mismatch.
 2. ``staging``: the main process removes dead saves' leftovers and makes a staging folder beside the target (owned
-   through a ``flock``ed lock file, see :mod:`fastckpt._io.staging`); its path goes to every rank.
+   through a ``flock``ed lock file, see :mod:`fastckpt._io.storage.local.staging`); its path goes to every rank.
 3. ``state``: every rank takes its sharded state (see :mod:`fastckpt._state.sharded`); a rank that cannot stops all.
 4. DCP ``save`` of each part into its subfolder of the staging folder (``model/``, ``model_1/``, ``optimizer/``,
    ...; fastckpt.dcp's ``StorageWriter(commit=False)``: safetensors shards + ``dcp_metadata.json``), on a gloo
@@ -25,7 +25,7 @@ Session` step, so a process that died or never called it makes the others raise 
 A failure or a death anywhere before the commit leaves the previous checkpoint at the target exact; the staging
 folder is removed (by the main process, or by the next save when the main process died).
 
-To ``s3://`` (an :class:`~fastckpt._io.object_sharded.ObjectSave` target; the processes share no disk): at
+To ``s3://`` (an :class:`~fastckpt._io.storage.object.sharded.ObjectSave` target; the processes share no disk): at
 ``staging`` the main process picks the checkpoint URL (automatic naming: the next committed number) and the new
 save's ``(number, save id)`` instead; at step 4 every rank uploads its part objects straight from tensor memory
 under ``{url}/{save id}/{part}/`` (``StorageWriter(commit=False)`` on that prefix); at ``written`` the main process
@@ -46,13 +46,13 @@ from typing import Any, Callable
 import torch
 
 from fastckpt._format.codec import encode
-from fastckpt._io.commit import check_target
-from fastckpt._io.distributed import Session, timeout_group
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.layout import part_name, random_states_name
-from fastckpt._io.object_sharded import ObjectSave
-from fastckpt._io.staging import OwnedPath, clean_leftovers
-from fastckpt._io.torch_compat import no_dist_kwargs
+from fastckpt._io.group.distributed import Session, timeout_group
+from fastckpt._io.group.torch_compat import no_dist_kwargs
+from fastckpt._io.storage.local.commit import check_target
+from fastckpt._io.storage.local.layout import part_name, random_states_name
+from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
+from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_commit import assemble_model_files, commit_local, commit_remote, full_model_states
 from fastckpt._state.hf_files import hf_model_files
@@ -155,7 +155,7 @@ def save_sharded(
     local folder) or the committed checkpoint's ``s3://`` URL.
 
     Args:
-        target: the checkpoint folder, or an :class:`~fastckpt._io.object_sharded.ObjectSave` (``s3://``).
+        target: the checkpoint folder, or an :class:`~fastckpt._io.storage.object.sharded.ObjectSave` (``s3://``).
         max_shard_size: ``model_only`` saves: bytes per model file (None: one ``model.safetensors``).
         add_files: main process only, before the commit: adds parts / texts to the plan of small files
             (``fastckpt.accelerate`` adds the objects the Accelerator tracks).

@@ -1,5 +1,5 @@
 """``share_unchanged``: frozen tensors in shard files of their own, linked from the previous checkpoint when
-unchanged (the mechanics and the safety argument are in :mod:`fastckpt._io.sharing`).
+unchanged (the mechanics and the safety argument are in :mod:`fastckpt._io.storage.local.sharing`).
 
 :func:`plan_sharing` rewrites each model part of a plan: its frozen tensors (state_dict entries that are not
 parameters with ``requires_grad``) are split into ``{base}-0000k-of-0000N.safetensors`` shards of at most
@@ -19,9 +19,10 @@ from typing import Any, Callable
 import torch
 
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.layout import MANIFEST, checkpoint_numbers, is_committed
-from fastckpt._io.shards import index_name, parse_size, shard_name, split_part
-from fastckpt._io.sharing import share_with
+from fastckpt._io.storage.local.layout import MANIFEST, is_committed
+from fastckpt._io.storage.local.numbering import checkpoint_numbers
+from fastckpt._io.storage.local.shards import index_name, parse_size, shard_name, split_part
+from fastckpt._io.storage.local.sharing import share_with
 from fastckpt._io.tensor_hashes import content_hashes, remember
 from fastckpt._state.trainable import trainable_names
 

@@ -22,7 +22,7 @@ import torch
 
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json, load_json
-from fastckpt._io.folder import read_fresh
+from fastckpt._io.storage.local.folder import read_fresh
 from fastckpt._state.key_match import canonical_fqn
 from fastckpt.errors import DtypeError, HeaderError, KeyMismatchError, ShapeMismatchError
 

@@ -20,7 +20,7 @@ object changes. No step waits forever: a process that died or never called the f
 
 The diffusers pattern, ``if accelerator.is_main_process: fastckpt.accelerate.save_state(accelerator, path)``, works
 as with stock accelerate: when none of the other processes joins the save within
-:data:`fastckpt._io.participation.GRACE` seconds (3 s), the main process saves alone (the shared files and its own
+:data:`fastckpt._io.group.participation.GRACE` seconds (3 s), the main process saves alone (the shared files and its own
 ``random_states_0`` file; a later load on several processes warns on the others that their RNG states were not
 saved and keeps them). A sharded FSDP2 model cannot be saved that way (every process holds part of its state): the
 main process says so after those seconds instead of waiting out ``timeout``.
@@ -44,16 +44,13 @@ from typing import Any, Callable, Literal, Sequence, overload
 
 import torch
 
-from fastckpt._io.async_writer import AsyncSave, wait_for_saves_to
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, on_main
-from fastckpt._io.folder import opened_files, pinned
-from fastckpt._io.layout import (
-    checkpoint_layout,
-    checkpoint_numbers,
-    random_states_name,
-)
+from fastckpt._io.async_save.writer import AsyncSave, wait_for_saves_to
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, on_main
+from fastckpt._io.group.participation import GRACE, participants
 from fastckpt._io.log import log_load
-from fastckpt._io.participation import GRACE, participants
+from fastckpt._io.storage.local.folder import opened_files, pinned
+from fastckpt._io.storage.local.layout import checkpoint_layout, random_states_name
+from fastckpt._io.storage.local.numbering import checkpoint_numbers
 from fastckpt._plan.load import check_input_dir, plan_load
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, warn_unrestored
@@ -167,7 +164,7 @@ def save_state(
             process).
 
     Called on the main process only (``if accelerator.is_main_process:``, the diffusers examples), the main process
-    saves alone once no other process has joined within 3 s (:mod:`fastckpt._io.participation`): the shared files
+    saves alone once no other process has joined within 3 s (:mod:`fastckpt._io.group.participation`): the shared files
     and ``random_states_0`` only, as stock accelerate writes them there. Called on every process, it is the one
     atomic commit of every process's files.
 

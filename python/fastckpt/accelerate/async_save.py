@@ -1,10 +1,10 @@
 """``fastckpt.accelerate.save_state(..., async_save=...)``: one atomic commit on the main process, a handle on every
 process.
 
-The main process builds the plan and starts the background write (streaming, :mod:`fastckpt._io.async_stream`, or
-a whole snapshot, :mod:`fastckpt._io.async_writer`) exactly as :func:`fastckpt.save_state` does. The other
+The main process builds the plan and starts the background write (streaming, :mod:`fastckpt._io.async_save.stream`, or
+a whole snapshot, :mod:`fastckpt._io.async_save.writer`) exactly as :func:`fastckpt.save_state` does. The other
 processes start a background wait instead. When the main process's write ends, its writer thread broadcasts the
-outcome over a gloo group of its own (:func:`fastckpt._io.distributed.side_group`, so it never interleaves with
+outcome over a gloo group of its own (:func:`fastckpt._io.group.distributed.side_group`, so it never interleaves with
 the training's collectives); every process's handle then completes, or raises if the save failed. A failure before
 the write starts is broadcast the same way, so no process waits forever.
 """
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.async_modes import start_async
-from fastckpt._io.async_writer import AsyncSave, default_saver, finish_pending
-from fastckpt._io.commit import write_checkpoint
-from fastckpt._io.distributed import broadcast_outcome, describe, is_distributed, side_group
+from fastckpt._io.async_save.modes import start_async
+from fastckpt._io.async_save.writer import AsyncSave, default_saver, finish_pending
+from fastckpt._io.group.distributed import broadcast_outcome, describe, is_distributed, side_group
+from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt.errors import CheckpointError
 
 __all__ = ["save_async"]
@@ -43,7 +43,7 @@ def save_async(build: Callable[[], Any], rotate: Callable[[], None], target: Pat
         build: makes the save plan (called on the main process only).
         rotate: removes old checkpoints after the commit (main process).
         optimizers: the optimizers whose steps are guarded (``mode=True``).
-        mode: ``True``, ``"stream"`` or ``"snapshot"`` (see :mod:`fastckpt._io.async_modes`).
+        mode: ``True``, ``"stream"`` or ``"snapshot"`` (see :mod:`fastckpt._io.async_save.modes`).
     """
     group = side_group()  # a collective on first use: every process is here
     if not _is_main():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastckpt._io.async_modes import check_mode
+from fastckpt._io.async_save.modes import check_mode
 
 __all__ = ["check_supported", "check_save_args"]
 

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.distributed import Session, on_main
-from fastckpt._io.layout import rotate_checkpoints
+from fastckpt._io.group.distributed import Session, on_main
+from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._plan.full_load import plan_full
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded

@@ -1,5 +1,5 @@
 """Where an Accelerator's checkpoints go: its project folder, automatic naming, ``iteration`` after a load
-(accelerate's ``ProjectConfiguration`` rules; model-only snapshots numbered apart, see :mod:`fastckpt._io.layout`).
+(accelerate's ``ProjectConfiguration`` rules; model-only snapshots numbered apart, see :mod:`fastckpt._io.storage.local.layout`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.layout import checkpoint_numbers, next_checkpoint_dir
+from fastckpt._io.storage.local.numbering import checkpoint_numbers, next_checkpoint_dir
 
 __all__ = ["project_root", "choose_target", "set_iteration"]
 
@@ -24,7 +24,7 @@ def choose_target(accelerator: Any, output_dir: Any, model_only: bool) -> tuple[
 
     An explicit ``output_dir`` is always used; otherwise automatic naming puts a full save in
     ``checkpoints/checkpoint_{n}`` (n = max(iteration, largest committed + 1)) and a model-only save in
-    ``model_only/checkpoint_{n}`` (its own numbering, see :mod:`fastckpt._io.layout`).
+    ``model_only/checkpoint_{n}`` (its own numbering, see :mod:`fastckpt._io.storage.local.layout`).
     """
     config = accelerator.project_configuration
     if output_dir is not None:

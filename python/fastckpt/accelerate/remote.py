@@ -4,7 +4,7 @@ its checkpoints in object storage.
 
 Save: every process's RNG states are gathered to the main process as for a local save, and the main process writes
 the whole checkpoint (one ``random_states`` file per process) into a private local folder and uploads it as one
-commit (:func:`fastckpt._io.object_commit.save_object_checkpoint`), then rotates the remote project. Load: the main
+commit (:func:`fastckpt._io.storage.object.commit.save_object_checkpoint`), then rotates the remote project. Load: the main
 process picks the checkpoint URL; every process downloads it (checked by crc32c) into a private folder of its own;
 the processes agree that they fetched the same committed save before anything is applied.
 
@@ -20,16 +20,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.distributed import agree, broadcast_from_main, gather_to_main, on_main
-from fastckpt._io.layout import MANIFEST
-from fastckpt._io.object_api import fetched
-from fastckpt._io.object_commit import save_object_checkpoint
-from fastckpt._io.object_project import (
+from fastckpt._io.group.distributed import agree, broadcast_from_main, gather_to_main, on_main
+from fastckpt._io.storage.local.layout import MANIFEST
+from fastckpt._io.storage.object.api import fetched
+from fastckpt._io.storage.object.commit import save_object_checkpoint
+from fastckpt._io.storage.object.project import (
     next_object_checkpoint,
     object_checkpoint_numbers,
     rotate_object_checkpoints,
 )
-from fastckpt._io.object_store import ObjectUrl, open_store, parse_url, remote_url
+from fastckpt._io.storage.object.store import ObjectUrl, open_store, parse_url, remote_url
 from fastckpt.errors import CheckpointChangedError, MissingStateError
 
 __all__ = ["remote_location", "check_remote_save", "choose_remote_target", "write_remote", "fetched_on_every_rank",
@@ -114,7 +114,7 @@ def fetched_on_every_rank(url: ObjectUrl | None, project: ObjectUrl | None, *, m
     """``(checkpoint URL, local folder)``: the URL the main process picked, downloaded by every process.
 
     Raises:
-        MissingStateError, IntegrityError, OSError: as :func:`fastckpt._io.object_api.fetched`, on the process
+        MissingStateError, IntegrityError, OSError: as :func:`fastckpt._io.storage.object.api.fetched`, on the process
             where it happened; CheckpointError on the others. CheckpointChangedError: a newer save replaced the
             checkpoint between the processes' downloads (retry).
     """

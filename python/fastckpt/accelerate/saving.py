@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fastckpt._io.async_writer import AsyncSave
-from fastckpt._io.distributed import gather_to_main, on_main
-from fastckpt._io.layout import rotate_checkpoints
+from fastckpt._io.async_save.writer import AsyncSave
+from fastckpt._io.group.distributed import gather_to_main, on_main
+from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._plan.save import build_save_plan
 from fastckpt._state.rng import rng_payload
 from fastckpt.accelerate.fsdp import save_sharded_state
@@ -124,7 +124,7 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
             after_commit(target)
 
     def write() -> Path | str:
-        from fastckpt._io.commit import write_checkpoint
+        from fastckpt._io.storage.local.commit import write_checkpoint
 
         if remote is not None or project is not None:  # one commit of every process's files, made by this one
             return write_remote(accelerator, target, number, lambda folder: write_checkpoint(

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.folder import open_safetensors
-from fastckpt._io.layout import part_name
+from fastckpt._io.storage.local.folder import open_safetensors
+from fastckpt._io.storage.local.layout import part_name
 from fastckpt._plan.accelerate_format import (
     SCALER_NAME,
     custom_file,

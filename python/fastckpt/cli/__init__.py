@@ -70,7 +70,7 @@ REMOTE_COMMANDS = {"verify": "path", "inspect": "path", "consolidate": "src", "c
 def _refused_location(args: argparse.Namespace) -> str | None:
     """The message for a path argument whose URL scheme the command line does not serve, else None."""
     from fastckpt._io.location import check_location
-    from fastckpt._io.object_store import OBJECT_SCHEMES
+    from fastckpt._io.storage.object.store import OBJECT_SCHEMES
 
     for name in PATH_ARGUMENTS:
         served = OBJECT_SCHEMES if REMOTE_COMMANDS.get(args.command) == name else ()
@@ -84,8 +84,8 @@ def _refused_location(args: argparse.Namespace) -> str | None:
 def _run_remote(args: argparse.Namespace) -> int | None:
     """Run a :data:`REMOTE_COMMANDS` subcommand on a local copy of an ``s3://`` checkpoint (every object's size and
     crc32c checked against the manifest while downloaded); None when its argument is local."""
-    from fastckpt._io.object_api import fetched
-    from fastckpt._io.object_store import remote_url
+    from fastckpt._io.storage.object.api import fetched
+    from fastckpt._io.storage.object.store import remote_url
     from fastckpt.errors import CheckpointError
 
     name = REMOTE_COMMANDS.get(args.command)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _core
-from fastckpt._io.layout import MANIFEST, checkpoint_layout, listed_files, read_manifest
+from fastckpt._io.storage.local.layout import MANIFEST, checkpoint_layout, listed_files, read_manifest
 from fastckpt.cli.progress import Progress
 from fastckpt.errors import CheckpointError
 

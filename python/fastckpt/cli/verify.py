@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from fastckpt import _core
-from fastckpt._io.integrity import VerifyReport, check_checkpoint, crc_hex
-from fastckpt._io.layout import MANIFEST, checkpoint_layout, read_manifest
+from fastckpt._io.storage.local.integrity import VerifyReport, check_checkpoint, crc_hex
+from fastckpt._io.storage.local.layout import MANIFEST, checkpoint_layout, read_manifest
 from fastckpt.cli.progress import Progress
 from fastckpt.errors import CheckpointError, HeaderError, MissingStateError
 

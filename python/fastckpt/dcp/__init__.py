@@ -60,9 +60,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
+from fastckpt._io.group.torch_compat import no_dist_kwargs
 from fastckpt._io.location import check_location
-from fastckpt._io.object_store import OBJECT_SCHEMES
-from fastckpt._io.torch_compat import no_dist_kwargs
+from fastckpt._io.storage.object.store import OBJECT_SCHEMES
 from fastckpt.dcp.planner import LoadPlanner, SavePlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name

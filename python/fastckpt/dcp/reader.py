@@ -19,10 +19,10 @@ from torch.futures import Future
 from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata
 from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.tensors import destination_buffer
-from fastckpt._io.dcp_files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
+from fastckpt._io.dcp.files import BoxRead, open_chunk_files, read_boxes, read_dcp_metadata, verify_chunks
 from fastckpt._io.location import check_location
-from fastckpt._io.object_commit import RemoteCheckpoint
-from fastckpt._io.object_store import OBJECT_SCHEMES, open_store, remote_url
+from fastckpt._io.storage.object.fetch import RemoteCheckpoint
+from fastckpt._io.storage.object.store import OBJECT_SCHEMES, open_store, remote_url
 from fastckpt.errors import DtypeError, ShapeMismatchError
 
 try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it

@@ -21,13 +21,13 @@ from fastckpt import _core
 from fastckpt._format.codec import encode
 from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
 from fastckpt._format.tensors import tensor_sources
-from fastckpt._io.commit import check_target, fsync_dir, write_text
-from fastckpt._io.integrity import digest_entry, text_entry
-from fastckpt._io.layout import MANIFEST, manifest_dict
 from fastckpt._io.location import check_location
-from fastckpt._io.object_commit import commit_save, new_save, upload_tensor_objects, upload_texts
-from fastckpt._io.object_store import OBJECT_SCHEMES, ObjectUrl, open_store, remote_url
-from fastckpt._io.staging import OwnedPath, clean_leftovers
+from fastckpt._io.storage.local.commit import check_target, fsync_dir, write_text
+from fastckpt._io.storage.local.integrity import digest_entry, text_entry
+from fastckpt._io.storage.local.layout import MANIFEST, manifest_dict
+from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
+from fastckpt._io.storage.object.commit import commit_save, new_save, upload_tensor_objects, upload_texts
+from fastckpt._io.storage.object.store import OBJECT_SCHEMES, ObjectUrl, open_store, remote_url
 from fastckpt.dcp.gc_pause import gc_paused
 
 __all__ = ["StorageWriter", "shard_file_name"]
@@ -104,7 +104,7 @@ class StorageWriter(_DCPStorageWriter):
         storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank writes
             its shard file in a private local folder and uploads it under the save's prefix (crc32c checked against
             the writer's); the coordinator uploads ``dcp_metadata.json`` and commits by creating the manifest object
-            last (:mod:`fastckpt._io.object_commit`). With ``commit=False`` the ``s3://`` path is a prefix inside a
+            last (:mod:`fastckpt._io.storage.object.commit`). With ``commit=False`` the ``s3://`` path is a prefix inside a
             save an outer save commits (``s3://bucket/ckpt/save-{n}-{id}/model``, ``fastckpt.save_state`` under
             FSDP2): every rank uploads its objects straight under it, the coordinator puts ``dcp_metadata.json``
             there, and nothing is committed (:attr:`files` as for a local folder).

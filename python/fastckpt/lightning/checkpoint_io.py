@@ -28,9 +28,9 @@ import torch
 from pytorch_lightning.plugins.io import CheckpointIO as _LightningCheckpointIO
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fastckpt._io.async_writer import finish_pending, wait_for_saves_to
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session
-from fastckpt._io.layout import remove_checkpoint_dir
+from fastckpt._io.async_save.writer import finish_pending, wait_for_saves_to
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session
+from fastckpt._io.storage.local.numbering import remove_checkpoint_dir
 from fastckpt.errors import UnsafePickleError
 from fastckpt.lightning.rng import RNG_KEY, collect_rng_states, restore_rng_states
 from fastckpt.plain import load, save

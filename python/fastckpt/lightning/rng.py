@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed, process_rank
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed, process_rank
 
 __all__ = ["RNG_KEY", "RankRNGStates", "collect_rng_states", "restore_rng_states"]
 

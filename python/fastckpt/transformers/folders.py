@@ -3,7 +3,7 @@
 A folder counts as a finished checkpoint when it holds fastckpt's manifest (``fastckpt.json``, written last and put
 in place with the folder in one step, so a ``checkpoint-N`` from fastckpt is finished or absent), or, without it,
 when it is a stock Trainer checkpoint: ``trainer_state.json`` present and none of the files only fastckpt writes
-(the rule of :func:`fastckpt._io.layout.checkpoint_layout`). Order is numeric (``checkpoint-10`` after
+(the rule of :func:`fastckpt._io.storage.local.layout.checkpoint_layout`). Order is numeric (``checkpoint-10`` after
 ``checkpoint-9``), as ``transformers.trainer_utils.sort_checkpoints`` falls back to.
 """
 
@@ -13,7 +13,8 @@ import os
 import re
 from pathlib import Path
 
-from fastckpt._io.layout import MANIFEST, remove_folders
+from fastckpt._io.storage.local.layout import MANIFEST
+from fastckpt._io.storage.local.numbering import remove_folders
 
 __all__ = ["PREFIX", "TRAINER_STATE", "finished_checkpoints", "latest_checkpoint", "rotate", "is_fastckpt"]
 

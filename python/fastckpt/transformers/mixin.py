@@ -38,10 +38,11 @@ import torch
 
 import fastckpt
 import fastckpt.accelerate
-from fastckpt._io.commit import write_text
-from fastckpt._io.distributed import DEFAULT_TIMEOUT, check_timeout
-from fastckpt._io.folder import open_safetensors
-from fastckpt._io.layout import random_states_name, saved_mode
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout
+from fastckpt._io.storage.local.commit import write_text
+from fastckpt._io.storage.local.folder import open_safetensors
+from fastckpt._io.storage.local.layout import random_states_name
+from fastckpt._io.storage.local.numbering import saved_mode
 from fastckpt._state.rng import RngRestoreWarning, read_rng_state
 from fastckpt.transformers import folders, stock
 

@@ -18,6 +18,9 @@ use crate::error::{Error, IoContext, Result};
 use crate::header::{self, TensorInfo};
 use crate::pool;
 
+/// The largest positional read of a sum: small enough to stay in the CPU cache for the crc32c that follows.
+pub(crate) const PIECE: usize = 1 << 20;
+
 /// The crc32c of `data`.
 pub fn crc32c(data: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(data)
@@ -189,7 +192,7 @@ struct Summing {
 }
 
 fn open_for_summing(path: &Path) -> Result<Summing> {
-    let file = crate::reader::open_file(path)?;
+    let file = crate::file_open::open_file(path)?;
     let size = file.metadata().at(path, "reading the size of")?.len();
     let header = read_header(&file, size, path);
     let regions = regions(size, header.as_ref().ok());

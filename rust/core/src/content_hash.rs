@@ -111,7 +111,7 @@ pub fn hash_files(paths: &[PathBuf], threads: usize) -> Result<Vec<FileHashes>> 
     let mut opened = Vec::with_capacity(paths.len());
     let mut headers = Vec::with_capacity(paths.len());
     for p in paths {
-        let file = crate::reader::open_file(p)?;
+        let file = crate::file_open::open_file(p)?;
         let size = file.metadata().at(p, "reading the size of")?.len();
         match crate::checksum::read_header(&file, size, p) {
             Ok(h) => {

@@ -5,6 +5,7 @@
 //! - [`source`]: tensor sources (contiguous or strided) with bounds checks, gathered in logical order.
 //! - [`layout`]: a file planned before writing (order, offsets, chunks), and in-memory [`serialize`].
 //! - [`direct`]: durable writes through `O_DIRECT`, block-aligned chunks from aligned bounce buffers.
+//! - [`job`]: one file to write (its path, tensors and metadata), what the writer and the progress share.
 //! - [`writer`]: temp file + preallocate + parallel positional writes + fsync + rename.
 //! - [`progress`]: per-tensor progress of a write from live memory; the caller takes unwritten tensors over.
 //! - [`reader`]: open, validate, map privately, parallel `read_into`.
@@ -25,7 +26,9 @@ pub mod convert;
 pub mod direct;
 pub mod dtype;
 pub mod error;
+mod file_open;
 pub mod header;
+pub mod job;
 pub mod layout;
 pub mod limits;
 pub mod pool;

@@ -15,8 +15,8 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
+use crate::job::FileJob;
 use crate::layout::FileLayout;
-use crate::writer::FileJob;
 
 /// Bytes of a tensor copied by the caller, in the tensor's logical (row-major) order.
 pub type CopyBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;

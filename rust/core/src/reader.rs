@@ -12,13 +12,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::{MmapMut, MmapOptions};
 
-use crate::checksum::{crc32c_append, crc32c_combine};
+use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
 use crate::error::{Error, IoContext, Result};
+use crate::file_open::open_file_as;
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
 use crate::readahead::with_readahead;
-use crate::sys;
-use crate::verify::PIECE;
 
 /// One positional read: (file offset, destination, index of the tensor's name).
 type ReadJob<'a> = (u64, &'a mut [u8], usize);
@@ -356,23 +355,6 @@ impl SafetensorsFile {
             }
         })
     }
-}
-
-/// Open `path` for reading: never blocks (FIFOs), and anything but a regular file is refused, a folder as
-/// `EISDIR` ([`Error::Io`]), a FIFO, socket or device as [`Error::Header`].
-pub(crate) fn open_file(path: &Path) -> Result<File> {
-    open_file_as(path, path)
-}
-
-/// [`open_file`] of `source`, with errors naming `path`.
-fn open_file_as(source: &Path, path: &Path) -> Result<File> {
-    sys::open_regular(source).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidInput => Error::Header(format!(
-            "{}: cannot be read as a safetensors file: {e}",
-            path.display()
-        )),
-        _ => Error::io(path, "opening", e),
-    })
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use crate::checksum::{crc32c_append, crc32c_combine};
+use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::readahead::with_readahead;
@@ -50,9 +50,6 @@ pub struct Verified {
     /// Tensors whose crc32c was compared.
     pub tensors: usize,
 }
-
-/// The largest positional read of a sum: small enough to stay in the CPU cache for the crc32c that follows.
-pub(crate) const PIECE: usize = 1 << 20;
 
 /// One run of bytes to sum: the tensor it belongs to (`None`: the header) and its absolute range.
 type Region = (Option<usize>, Range<u64>);

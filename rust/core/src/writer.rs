@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 #[cfg(test)]
 use std::sync::Barrier;
@@ -16,6 +16,7 @@ use crate::checksum::{self, FileChecksums, PieceCrc};
 use crate::content_hash;
 use crate::direct::{self, WorkerBuffers};
 use crate::error::{Error, IoContext, Result};
+pub use crate::job::FileJob;
 use crate::layout::FileLayout;
 use crate::pool;
 use crate::progress::{PieceSource, Progress};
@@ -74,17 +75,6 @@ impl std::fmt::Debug for ReadyGate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ReadyGate(..)")
     }
-}
-
-/// One file to write.
-#[derive(Debug, Clone)]
-pub struct FileJob<'a> {
-    /// The target path.
-    pub path: PathBuf,
-    /// Its tensors, in any order.
-    pub tensors: Vec<TensorSource<'a>>,
-    /// `__metadata__` (order kept); `None` writes no metadata key.
-    pub metadata: Option<Vec<(String, String)>>,
 }
 
 /// What a write did.

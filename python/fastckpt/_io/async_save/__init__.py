@@ -1,0 +1,9 @@
+"""Async saving: the save returns, the bytes go out in the background, the commit reports its outcome.
+
+writer (the background writer, one save in flight per target), modes (``async_save=True / "snapshot" /
+"stream"``), snapshot (a copy of the state at the call) and host_pool (its reused pinned host buffers), cuda
+(device copies on a side stream), stream (writing straight from the live tensors), call_hashes (the hashes taken at
+the call that prove a streamed save wrote the state as of the call), cancel (stopping a save in flight).
+
+May import: layers 0-1, the shared ``_io`` modules, ``_io.group``, ``_io.storage.base`` and ``_io.storage.local``.
+"""

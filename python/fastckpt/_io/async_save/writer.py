@@ -1,0 +1,345 @@
+"""Asynchronous saves: the caller waits only for a snapshot; a background thread writes the checkpoint.
+
+``fastckpt.save_state(..., async_save=True)`` builds the save plan, copies its tensors into a slot of a reused
+host buffer pool (:mod:`fastckpt._io.async_save.snapshot`, :mod:`fastckpt._io.async_save.host_pool`) and returns an :class:`AsyncSave`
+handle. One writer thread then writes the snapshot exactly as a synchronous save does (staging folder, all files
+in one parallel pass, manifest last, atomic commit), so the checkpoint holds the values as of the call even while
+training goes on updating the parameters in place, and a crash mid-write leaves the previous checkpoint intact.
+
+- At most ``max_in_flight`` saves exist at once (default 1): a save that finds every pool slot taken waits for the
+  oldest to finish writing before it copies anything.
+- A failed background save raises its exception from :meth:`AsyncSave.wait`, or else from the next ``save_state``
+  call (async or not), once.
+- A synchronous save first waits for the async saves in flight, so saves are committed in call order.
+- Automatic names (``output_dir=None``) skip the numbers that saves still in flight will commit.
+- The writer thread is not a daemon: the interpreter waits for saves in flight before it exits.
+
+A synchronous save of CUDA tensors uses the same machinery with the caller waiting (``blocking=True``): the
+device-to-host copies of later chunks then overlap the writing of earlier ones (see :func:`submit`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fastckpt._io.async_save.cancel import CancelToken, arm_second_interrupt
+from fastckpt._io.async_save.host_pool import HostBufferPool
+from fastckpt._io.async_save.snapshot import Snapshot, snapshot_plan
+from fastckpt._io.files import SavePlan
+
+__all__ = ["AsyncSave", "AsyncSaver", "default_saver", "finish_pending", "release_buffers", "submit",
+           "wait_for_saves_to"]
+
+_NUMBERED = re.compile(r"^checkpoint_(\d+)$")
+
+
+class AsyncSave:
+    """The handle of one asynchronous save, returned by ``save_state(..., async_save=True)``.
+
+    Attributes:
+        path: the checkpoint folder it commits (absolute), or the ``s3://`` URL (a ``str``) it uploads to.
+        blocking_seconds: how long the caller was blocked (seconds).
+        snapshot_bytes: bytes copied at the call (the whole state with ``async_save="snapshot"``; for a streaming
+            save only the buffers, small tensors and unowned parameters).
+        buffer_ptr: address of the pool buffer holding the snapshot (the same across saves while it is reused).
+        pool_allocations: allocations of that buffer so far (stays 1 while the state does not grow).
+    """
+
+    def __init__(self, path: Path | str, future: Future, snapshot: Snapshot | None, blocking_seconds: float, *,
+                 stream: Any = None, token: CancelToken | None = None) -> None:
+        self.path = path
+        self._token = token
+        self.blocking_seconds = blocking_seconds
+        self.snapshot_bytes = snapshot.nbytes if snapshot is not None else stream.call_bytes
+        self._snapshot_slot = snapshot.slot if snapshot is not None else None
+        self._stream = stream
+        self.pool_allocations = snapshot.slot.allocations if snapshot is not None else 0
+        self._future = future
+        self._reported = False
+
+    @property
+    def buffer_ptr(self) -> int:
+        """Address of the pool buffer the save copied into (0 when a streaming save needed no copy)."""
+        if self._stream is not None:
+            return self._stream.buffer_ptr
+        assert self._snapshot_slot is not None
+        return self._snapshot_slot.data_ptr
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed (never blocks)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path | str:
+        """Block until the checkpoint is committed (durable when saved with ``durable=True``).
+
+        Args:
+            timeout: seconds to wait; None waits as long as it takes.
+
+        Returns:
+            The committed checkpoint folder (for an ``s3://`` save, its URL as a ``str``).
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (the save goes on).
+            KeyboardInterrupt: Ctrl-C while waiting: the save goes on and is committed before the interpreter
+                exits, unless a second Ctrl-C comes while it is in flight, which cancels it (nothing committed;
+                see :mod:`fastckpt._io.async_save.cancel`).
+            SaveCancelledError: the save was cancelled before its commit (:meth:`cancel`).
+            Exception: whatever the background write raised (OSError for a full disk, ...), re-raised here; the
+                previous checkpoint at ``path`` is then intact.
+        """
+        try:
+            return self._future.result(timeout)
+        except KeyboardInterrupt as exc:
+            if not self._future.done() and self._token is not None:
+                exc.add_note(arm_second_interrupt(self))
+            raise
+        except BaseException as exc:
+            if self._future.done():
+                self._reported = True
+            if isinstance(exc, TimeoutError) and not self._future.done():
+                raise TimeoutError(f"async save to {self.path} not finished within {timeout} s") from None
+            raise
+
+    def cancel(self) -> bool:
+        """Cancel the save if its commit has not begun: the writer stops before the commit, nothing is committed
+        and the previous checkpoint stays (``wait()`` then raises :class:`~fastckpt.errors.SaveCancelledError`).
+
+        Returns:
+            True if the save will commit nothing; False once its commit has begun (or on a process of a
+            multi-process save other than the main one, which commits nothing itself).
+        """
+        cancelled = self._token is not None and self._token.cancel()
+        if cancelled:
+            self._reported = True  # asked for: not raised again by the next save
+        return cancelled
+
+    def exception(self) -> BaseException | None:
+        """The background write's exception once it failed; None while running or after success."""
+        return self._future.exception() if self._future.done() else None
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self.exception() else "committed")
+        return f"AsyncSave({str(self.path)!r}, {state}, {self.snapshot_bytes:,} bytes)"
+
+
+class AsyncSaver:
+    """A host buffer pool plus one writer thread; ``save_state`` uses the process-wide :func:`default_saver`.
+
+    Args:
+        max_in_flight: saves that may be snapshotted and not yet written at once (pool slots), >= 1. Each slot
+            holds one state's bytes of host memory, allocated on first use and reused afterwards.
+        pin_memory: pin the pool (page-locked); None pins when CUDA is available.
+    """
+
+    def __init__(self, max_in_flight: int = 1, *, pin_memory: bool | None = None) -> None:
+        self.pool = HostBufferPool(max_in_flight, pin_memory=pin_memory)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-async-save")
+        self._lock = threading.Lock()
+        self._pending: list[AsyncSave] = []
+        self._idle: threading.Timer | None = None
+
+    def raise_failed(self) -> None:
+        """Re-raise the first failure of an earlier save that was not yet reported (each is raised once)."""
+        with self._lock:
+            failed = next((h for h in self._pending if h.done() and not h._reported and h.exception()), None)
+            if failed is not None:
+                failed._reported = True
+            self._pending = [h for h in self._pending if not h.done() or (not h._reported and h.exception())]
+        if failed is None:
+            return
+        exc = failed.exception()
+        assert exc is not None
+        exc.add_note(f"(raised by the earlier async save to {failed.path}, reported at the next save)")
+        raise exc
+
+    def wait_all(self) -> None:
+        """Wait for every save in flight, then re-raise the first unreported failure."""
+        with self._lock:
+            pending = list(self._pending)
+        for h in pending:
+            try:
+                h._future.result()
+            except BaseException:  # reported by raise_failed below
+                pass
+        self.raise_failed()
+
+    def reserve(self, target: Path) -> Path:
+        """``target``, or for an automatic ``checkpoint_N`` name one above every number still being written."""
+        m = _NUMBERED.match(target.name)
+        if m is None:
+            return target
+        with self._lock:
+            taken = [int(g.group(1)) for h in self._pending if not h.done() and h.path.parent == target.parent
+                     and (g := _NUMBERED.match(h.path.name))]
+        n = max([int(m.group(1)), *(t + 1 for t in taken)])
+        return target.with_name(f"checkpoint_{n}")
+
+    def start(self, target: Path, run: Callable[[], Path], *, blocking_seconds: float, stream: Any,
+              token: CancelToken | None = None) -> AsyncSave:
+        """Run ``run()`` on the writer thread for a save prepared by the caller (a streaming save,
+        :mod:`fastckpt._io.async_save.stream`, which checks ``token`` before its commit); returns its handle."""
+        self._cancel_idle()
+        future = self._executor.submit(self._then_idle(run))
+        handle = AsyncSave(target, future, None, blocking_seconds, stream=stream, token=token)
+        with self._lock:
+            self._pending.append(handle)
+        return handle
+
+    def in_flight_to(self, folder: Path) -> list[AsyncSave]:
+        """Saves in flight whose checkpoint is ``folder`` or lies inside it (an automatic-naming root)."""
+        folder = Path(folder).absolute()
+        with self._lock:
+            return [h for h in self._pending if not h.done()
+                    and (Path(h.path).absolute() == folder or folder in Path(h.path).absolute().parents)]
+
+    def release_buffers(self) -> int:
+        """Free the host buffers of every idle pool slot; returns the bytes freed."""
+        return self.pool.release_buffers()
+
+    def _then_idle(self, run: Callable[[], Path]) -> Callable[[], Path]:
+        def wrapped() -> Path:
+            try:
+                return run()
+            finally:
+                self._arm_idle()
+        return wrapped
+
+    def _arm_idle(self) -> None:
+        with self._lock:
+            self._cancel_idle_locked()
+            timer = threading.Timer(IDLE_RELEASE_SECONDS, self._release_if_idle)
+            timer.daemon = True
+            self._idle = timer
+            timer.start()
+
+    def _cancel_idle(self) -> None:
+        with self._lock:
+            self._cancel_idle_locked()
+
+    def _cancel_idle_locked(self) -> None:
+        timer = getattr(self, "_idle", None)
+        if timer is not None:
+            timer.cancel()
+            self._idle = None
+
+    def _release_if_idle(self) -> None:
+        if self.pool.in_use() == 0:
+            self.pool.release_buffers()
+
+    def submit(self, plan: SavePlan, target: Path | str, *, write: Callable[..., Any], blocking: bool = False,
+               after: Callable[[], Any] | None = None) -> AsyncSave:
+        """Snapshot ``plan`` into the pool, then ``write(snapshot_plan, target)`` on the writer thread.
+
+        Args:
+            plan: the save plan (live tensors).
+            target: the checkpoint folder (absolute).
+            write: ``write(plan, target)``, e.g. :func:`fastckpt._io.storage.local.commit.write_checkpoint` with its options bound;
+                called with ``ready=`` the snapshot's chunk gate when ``blocking`` and device copies exist.
+            blocking: the caller will wait for the result at once (a synchronous save of CUDA tensors): the writer
+                then starts before the device copies are done and waits per chunk (``ready``), overlapping them.
+                Otherwise every device copy is waited for first (the writer never needs the GIL while the
+                caller trains).
+            after: run on the writer thread after a successful commit (rotation of old checkpoints).
+
+        Returns:
+            The handle; the slot is given back to the pool when the write ends, successfully or not.
+
+        Raises:
+            Exception: an unreported failure of an earlier save (checked once a pool slot is free, before this
+                save copies anything; this save is then not made).
+            ValueError / DtypeError: a tensor the format cannot hold (raised before anything is copied).
+        """
+        start = time.perf_counter()
+        snapshot = snapshot_plan(plan, self.pool, on_slot=self.raise_failed)
+        blocked = time.perf_counter() - start
+        token = CancelToken(target)
+
+        def run() -> Path:
+            try:
+                if blocking and snapshot.copies:
+                    result = write(snapshot.plan, target, ready=snapshot.ready, before_commit=token.before_commit())
+                else:
+                    snapshot.wait_copies()
+                    result = write(snapshot.plan, target, before_commit=token.before_commit())
+                if after is not None:
+                    after()
+                return result if isinstance(result, (Path, str)) else target
+            finally:
+                self.pool.release(snapshot.slot)
+
+        self._cancel_idle()
+        try:
+            future = self._executor.submit(self._then_idle(run))
+        except BaseException:
+            self.pool.release(snapshot.slot)
+            raise
+        handle = AsyncSave(target, future, snapshot, blocked, token=token)
+        with self._lock:
+            self._pending.append(handle)
+        return handle
+
+
+_DEFAULT: AsyncSaver | None = None
+#: Seconds without a save in flight after which the default saver frees its host buffers.
+IDLE_RELEASE_SECONDS = 60.0
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    """The process-wide saver (one pool slot: at most one save in flight), created on first use."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = AsyncSaver()
+        return _DEFAULT
+
+
+def finish_pending(*, wait: bool) -> None:
+    """Call at the start of every save: re-raise an unreported failure of an earlier async save; with ``wait``
+    (a synchronous or streaming save), first wait for every async save in flight so saves commit in call order.
+    A streaming save in flight is always waited for (its optimizer steps may need the pool slot)."""
+    if _DEFAULT is None:
+        return
+    with _DEFAULT._lock:
+        streaming = any(h._stream is not None and not h.done() for h in _DEFAULT._pending)
+    if wait or streaming:
+        _DEFAULT.wait_all()
+    else:
+        _DEFAULT.raise_failed()
+
+
+def release_buffers() -> int:
+    """Free the host (pinned with CUDA) buffers async saves keep for reuse; returns the bytes freed.
+
+    Buffers of a save in flight are kept. They are also freed by themselves after ``IDLE_RELEASE_SECONDS``
+    (60 s) without a save in flight; the next save allocates them again.
+
+    Example:
+        >>> fastckpt.save_state(model, optimizer, output_dir="ckpt", async_save=True).wait()
+        >>> fastckpt.release_buffers()
+    """
+    return 0 if _DEFAULT is None else _DEFAULT.release_buffers()
+
+
+def wait_for_saves_to(folder: Path) -> None:
+    """Wait for the async saves in flight whose checkpoint is ``folder`` or lies inside it (before a load reads
+    it), re-raising a failure of theirs."""
+    if _DEFAULT is None:
+        return
+    for handle in _DEFAULT.in_flight_to(folder):
+        handle.wait()
+
+
+def submit(plan: SavePlan, target: Path | str, *, write: Callable[..., Any], blocking: bool = False,
+           auto_named: bool = False, after: Callable[[], Any] | None = None) -> AsyncSave:
+    """:meth:`AsyncSaver.submit` on the default saver; ``auto_named`` skips numbers of saves in flight."""
+    saver = default_saver()
+    if auto_named:
+        target = saver.reserve(target)
+    return saver.submit(plan, target, write=write, blocking=blocking, after=after)
