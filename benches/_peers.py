@@ -12,9 +12,9 @@ Rows (all of the model's weights, tied weights once; GB/s on the model's bytes):
   safetensors ``load_file`` + ``load_state_dict`` (cold and warm).
 
 What the peers cannot do: neither runai nor tensorizer (without ``verify_hash``) checks a byte; runai has no load
-into a module (stream + ``copy_``); tensorizer stores a tied weight twice (``write_module``) and unties it on load,
-which its
-``load_into_module`` requires: its file holds the tied embedding twice (more bytes than the others read).
+into a module (stream + ``copy_``); tensorizer's ``load_into_module`` needs a ``write_module`` file, which holds the
+tied embedding twice (more bytes than the others read), and it puts new ``Parameter`` objects into the module (the
+tied head comes back untied, and an optimizer no longer owns the parameters), so it loads into a model of its own.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def check_model(b, tensors: dict[str, torch.Tensor] | None = None) -> None:
 
 def _zero_target(b) -> None:
     with torch.no_grad():
-        for p in _untied(b.target.model).values():
-            p.zero_()
+        for model in (b.target.model, b.extras.get("tensorizer-model")):
+            for p in _untied(model).values() if model is not None else ():
+                p.zero_()
 
 
 def _touch(tensors) -> None:
@@ -92,10 +93,10 @@ def _fresh(load: Callable[[object], dict]) -> Callable[[object], Timing]:
     return run
 
 
-def _live(load: Callable[[object], object]) -> Callable[[object], Timing]:
+def _live(load: Callable[[object], object], own_model: bool = False) -> Callable[[object], Timing]:
     def run(b) -> Timing:
         timing = timed(lambda: load(b) and None)
-        check_model(b)
+        check_model(b, _tensorizer_model(b).state_dict() if own_model else None)
         return timing
 
     return run
@@ -137,12 +138,23 @@ def _tensorizer_fresh(verify: bool) -> Callable[[object], dict]:
     return load
 
 
+def _tensorizer_model(b) -> torch.nn.Module:
+    """A model of its own for tensorizer's ``load_into_module``, which puts new ``Parameter`` objects into the module
+    (it unties the tied head; the optimizer would no longer own the parameters), so it never loads into the target
+    the other contenders share."""
+    if "tensorizer-model" not in b.extras:
+        import copy
+
+        b.extras["tensorizer-model"] = copy.deepcopy(b.target.model)
+    return b.extras["tensorizer-model"]
+
+
 def _tensorizer_live(verify: bool) -> Callable[[object], None]:
     def load(b) -> None:
         from tensorizer import TensorDeserializer
 
         with TensorDeserializer(_tensorizer_file(b), device="cpu", verify_hash=verify) as d:
-            d.load_into_module(b.target.model)
+            d.load_into_module(_tensorizer_model(b))
 
     return load
 
@@ -204,7 +216,7 @@ def peer_contenders(contender_cls, cache_setup) -> list:
                     _zero_target(b)
                 setup_cache(b)
 
-            run = _fresh(load) if kind == FRESH else _live(load)
+            run = _fresh(load) if kind == FRESH else _live(load, own_model=name.startswith("tensorizer"))
             out.append(contender_cls(name, "load", run, cache=cache, moves="model", setup=setup, gpt_only=True,
                                      peer=True))
     return out
