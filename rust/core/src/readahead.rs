@@ -49,15 +49,7 @@ pub(crate) fn with_readahead<R>(
                     return;
                 }
                 if !cached(file, at) || !cached(file, at + len / 2) {
-                    // SAFETY: plain syscall on an fd owned by `file`; an error only means no hint.
-                    unsafe {
-                        libc::posix_fadvise(
-                            file.as_raw_fd(),
-                            at as libc::off_t,
-                            len as libc::off_t,
-                            libc::POSIX_FADV_WILLNEED,
-                        );
-                    }
+                    willneed(file, at, len);
                 }
                 issued += len;
             }
@@ -66,6 +58,25 @@ pub(crate) fn with_readahead<R>(
         stop.store(true, Ordering::Relaxed);
         out
     })
+}
+
+/// Ask the kernel to read `len` bytes of `file` at `offset` into the page cache, without waiting for them
+/// (`posix_fadvise(POSIX_FADV_WILLNEED)`; an error only means no hint).
+pub(crate) fn willneed(file: &File, offset: u64, len: u64) {
+    // SAFETY: plain syscall on an fd owned by `file`.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_WILLNEED,
+        );
+    }
+}
+
+/// Whether the start and the middle of `len` bytes of `file` at `offset` are in the page cache.
+pub(crate) fn looks_cached(file: &File, offset: u64, len: u64) -> bool {
+    cached(file, offset) && cached(file, offset + len / 2)
 }
 
 /// `ranges` merged where they touch, cut into windows of at most [`WINDOW`] bytes: `(offset, length)`.

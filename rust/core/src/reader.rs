@@ -17,7 +17,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::file_open::open_file_as;
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
-use crate::readahead::with_readahead;
+use crate::readahead::{looks_cached, willneed, with_readahead};
 
 /// One positional read: (file offset, destination, index of the tensor's name).
 type ReadJob<'a> = (u64, &'a mut [u8], usize);
@@ -160,6 +160,21 @@ impl SafetensorsFile {
     /// Whether the file is mapped (false for [`open_with`](Self::open_with)`(source, path, false)`).
     pub fn is_mapped(&self) -> bool {
         self.map.is_some()
+    }
+
+    /// Start reading the data section into the page cache (at most `max_bytes` of it) without waiting, unless it
+    /// looks cached already: a load that will touch every tensor of a mapped file (`load_file`) then finds the
+    /// pages arriving from many large reads in flight instead of faulting them in one readahead window at a time.
+    /// A closed file is not hinted.
+    pub fn prefetch(&self, max_bytes: u64) {
+        let Ok(file) = self.handle("prefetch") else {
+            return;
+        };
+        let start = self.header.data_start;
+        let len = self.file_size.saturating_sub(start).min(max_bytes);
+        if len > 0 && !looks_cached(&file, start, len) {
+            willneed(&file, start, len);
+        }
     }
 
     /// Drop the file handle (the mapping stays). `read_into` fails afterwards.
