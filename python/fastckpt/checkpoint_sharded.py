@@ -3,30 +3,28 @@ through torch.distributed.checkpoint with fastckpt's storage plugin (:mod:`fastc
 model / optimizer inside the checkpoint (see :mod:`fastckpt._plan.sharded_save`, :mod:`fastckpt._plan.sharded_load`);
 a model-only save is a Hugging Face folder every world size loads. An ``s3://`` checkpoint is written by every rank
 straight to object storage and committed by the main process (see :mod:`fastckpt._plan.sharded_save`), and read by
-every rank from the one save the main process picked (:func:`load_sharded_remote`).
+every rank from the one save the main process picked (:func:`load_sharded`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.group.distributed import Session, process_rank
+from fastckpt._io.storage.base import Storage
 from fastckpt._io.storage.local.folder import pinned
 from fastckpt._io.storage.local.numbering import next_checkpoint_dir, rotate_checkpoints
-from fastckpt._io.storage.object.api import opened, pick_remote, remote_target
+from fastckpt._io.storage.object.api import remote_target
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 from fastckpt._io.storage.object.sharded import ObjectSave
-from fastckpt._io.storage.object.store import ObjectUrl, parse_url
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 
-__all__ = ["dcp_storage_writer", "dcp_storage_reader", "save_sharded_state", "load_sharded_state", "load_sharded_remote"]
+__all__ = ["dcp_storage_writer", "dcp_storage_reader", "save_sharded_state", "load_sharded_state", "load_sharded"]
 
 
 def dcp_storage_writer(folder: Path | str, durable: bool, threads: int, *,
@@ -88,8 +86,9 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, outp
 
 def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                        strict: bool, threads: int, verify: bool, timeout: float,
-                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str]]:
-    """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys)``.
+                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str], list[str]]:
+    """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys, skipped)``
+    (``skipped``: :attr:`~fastckpt.LoadResult.skipped`'s lines).
 
     ``remote``: ``folder`` is that opened ``s3://`` checkpoint's folder, holding its small files and each part's
     ``dcp_metadata.json``; each part's reader fetches the shard objects this rank's boxes come from."""
@@ -120,52 +119,20 @@ def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers:
                              rng_rank=None if model_only else session.rank, failed=error, verify=verify,
                              threads=threads, listed=remote is not None)
     plan.apply()
-    return plan.missing_keys, plan.unexpected_keys
+    return plan.missing_keys, plan.unexpected_keys, plan.skipped
 
 
-def load_sharded_remote(url: ObjectUrl | None, project: ObjectUrl | None, models: list, optimizers: list,
-                        schedulers: list, *, model_only: bool, strict: bool, threads: int, timeout: float,
-                        storage_options: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
-    """An ``s3://`` checkpoint into sharded models on every rank: the main process picks the committed save (the
-    checkpoint at ``url``, or the latest under ``project``), every rank opens that save (refusing another one) and
-    reads its small files and each part's metadata into memory, every rank agrees, then the local sharded load runs
-    on it, each part reader fetching only the shard objects this rank's boxes come from (each crc32c checked as it
-    comes in; a model-only save's files are read whole)."""
-    session = Session(f"load_state from {url if url is not None else project}", timeout)
-    chosen, save_id = session.on_main(lambda: _picked(url, project, model_only, storage_options), step="find")
-    with contextlib.ExitStack() as stack:
-        error: BaseException | None = None
-        remote: RemoteCheckpoint | None = None
-        lazy = False
-        try:
-            remote = stack.enter_context(opened(parse_url(chosen, "input_dir"), None, model_only=model_only,
-                                                storage_options=storage_options, save_id=save_id))
-            small, lazy = _eager_objects(remote)
-            remote.fetch(small)
-        except Exception as exc:  # every rank learns of it before anything changes anywhere
-            error = exc
-        session.agree(error, step="fetch")
-        assert remote is not None
-        # every object's crc32c is checked as it comes in: not summed again
-        return load_sharded_state(remote.folder, models, optimizers, schedulers, model_only=model_only,
-                                  strict=strict, threads=threads, verify=False, timeout=timeout,
-                                  remote=remote if lazy else None)
-
-
-def _eager_objects(remote: RemoteCheckpoint) -> tuple[list[str], bool]:
-    """``(names, lazy)``: the objects every rank reads before planning: of a sharded save, everything but the
-    parts' shard files (each part reader fetches the shards its boxes come from: ``lazy``); of a model-only save
-    (Hugging Face files every rank reads in full), every object."""
-    sharded = remote.manifest["manifest"].get("sharded")
-    parts = sharded.get("parts") if isinstance(sharded, dict) else None
-    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
-        return remote.names, False
-
-    def before_planning(name: str) -> bool:
-        part, _, rest = name.partition("/")
-        return part not in parts or rest == METADATA_FILE
-
-    return [n for n in remote.names if before_planning(n)], True
+def load_sharded(storage: Storage, models: list, optimizers: list, schedulers: list, *, model_only: bool,
+                 strict: bool, threads: int, verify: bool, timeout: float) -> tuple[list[str], list[str], list[str]]:
+    """A checkpoint of ``storage`` (:func:`fastckpt._io.storage.resolve`) into sharded models on every rank: every
+    rank opens the same committed save (:meth:`~fastckpt._io.storage.base.Storage.open_shared`: of an ``s3://``
+    checkpoint, the main process picks it, every rank reads its small files and each part's metadata into memory
+    and agrees, and each part reader then fetches only the shard objects this rank's boxes come from), then the
+    sharded load plan runs on it."""
+    with storage.open_shared(model_only=model_only, timeout=timeout, what="load_state") as view:
+        return load_sharded_state(view.path, models, optimizers, schedulers, model_only=model_only, strict=strict,
+                                  threads=threads, verify=verify and not view.checked, timeout=timeout,
+                                  remote=view.extra.get("remote"))
 
 
 def _remote_part_reader(remote: RemoteCheckpoint, folder: Path, checksums: dict[str, Any] | None = None, *,
@@ -174,12 +141,6 @@ def _remote_part_reader(remote: RemoteCheckpoint, folder: Path, checksums: dict[
     reader = dcp_storage_reader(folder, checksums, verify=verify, threads=threads)
     reader.attach_remote(remote, folder.name)
     return reader
-
-
-def _picked(url: ObjectUrl | None, project: ObjectUrl | None, model_only: bool,
-            storage_options: Mapping[str, Any] | None) -> tuple[str, str]:
-    found, save_id = pick_remote(url, project, model_only=model_only, storage_options=storage_options)
-    return str(found), save_id
 
 
 def _saved_mode(folder: Path) -> Any:
@@ -193,7 +154,7 @@ def _saved_mode(folder: Path) -> Any:
 
 
 def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, strict: bool, verify: bool,
-                            threads: int, session: Session) -> tuple[list[str], list[str]]:
+                            threads: int, session: Session) -> tuple[list[str], list[str], list[str]]:
     """Full model files (a model-only save, from one process or FSDP2) into sharded models: every rank reads and
     checks the full tensors, every rank agrees, then ``set_model_state_dict(full_state_dict=True)`` keeps each
     rank's shard."""
@@ -216,4 +177,4 @@ def _load_full_into_sharded(folder: Path, models: list, *, model_only: bool, str
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
         missing += miss
         unexpected += unexp
-    return missing, unexpected
+    return missing, unexpected, []

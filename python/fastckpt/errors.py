@@ -24,6 +24,7 @@ __all__ = [
     "IntegrityError",
     "ShapeMismatchError",
     "DtypeError",
+    "TensorSubclassError",
     "UnsafePickleError",
     "ClosedFileError",
     "MetaTensorError",
@@ -32,6 +33,8 @@ __all__ = [
     "ConcurrentModificationError",
     "SaveCancelledError",
     "ConcurrentSaveError",
+    "TierSkippedWarning",
+    "ResumeWarning",
 ]
 
 
@@ -64,6 +67,13 @@ class IntegrityError(CheckpointError, ValueError):
 
 class DtypeError(CheckpointError, TypeError):
     """A dtype that cannot be stored, or a stored dtype that does not match its destination."""
+
+
+class TensorSubclassError(CheckpointError, TypeError):
+    """A tensor subclass fastckpt cannot store or fill exactly: not a traceable wrapper subclass (no
+    ``__tensor_flatten__``), a nested one, one whose flatten context JSON cannot hold, or a saved subclass meeting a
+    live tensor of another class or settings. Raised before anything is written or changed; the message names the
+    tensor and its type."""
 
 
 class ShapeMismatchError(CheckpointError, ValueError):
@@ -124,3 +134,15 @@ class ConcurrentSaveError(CheckpointError, FileExistsError):
     """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
     conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
     were removed. The message names the manifest object."""
+
+
+class TierSkippedWarning(UserWarning):
+    """A checkpoint tier (the memory tier, a peer's replica, the local or the remote durable tier) held a damaged,
+    partial or unreadable checkpoint, so a restore skipped it and went on to the next one. The message names the
+    tier, the folder (or URL), the step and the error; nothing of it was applied."""
+
+
+class ResumeWarning(UserWarning):
+    """A resume restores less than a full training state: the message names the folder and what starts fresh (e.g.
+    the optimizer, scheduler and RNG states of a Trainer resumed from a ``save_only_model`` checkpoint), so the run
+    from there differs from an uninterrupted one. A warning, not an error: the run goes on as the caller asked."""

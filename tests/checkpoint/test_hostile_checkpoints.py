@@ -212,3 +212,22 @@ def test_a_malicious_pickle_in_an_accelerate_folder_never_runs(tmp_path):
     assert not marker.exists(), "the payload ran"
     assert_model_state(live, before)
     record("malformed")
+
+
+def test_a_folder_in_place_of_model_safetensors_is_named_as_a_folder(tmp_path):
+    """Issue 27 item 8: not "4096 bytes on disk, 37720 recorded" (the folder's inode size) but what is there."""
+    model = torch.nn.Linear(4, 3)
+    folder = fastckpt.save_state(model, output_dir=tmp_path / "ckpt")
+    recorded = json.loads((folder / "fastckpt.json").read_text())["files"]["model.safetensors"]["bytes"]
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+    want = (f"{folder / 'model.safetensors'}: is a directory, not the file of {recorded} bytes fastckpt.json records; "
+            "something replaced it after the save: put the file back or save again")
+    fresh = torch.nn.Linear(4, 3)
+    before = [t.clone() for t in fresh.state_dict().values()]
+    with pytest.raises(fastckpt.IntegrityError) as info:
+        fastckpt.load_state(fresh, input_dir=folder, model_only=True)
+    assert str(info.value) == want
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.state_dict().values()))
+    report = fastckpt.check_checkpoint(folder)
+    assert report.files["model.safetensors"] == want and not report.ok

@@ -151,3 +151,19 @@ def test_consolidate_streams_with_a_few_chunk_buffers(tmp_path):
     # 4 threads x 8 MiB copy buffers + interpreter noise; the state is 256 MiB.
     assert extra_mib < 64, f"peak resident memory grew by {extra_mib:.1f} MiB while consolidating 256 MiB"
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 256 * 2**20
+
+
+def test_a_model_only_folder_is_already_a_model_folder_and_convert_reshards_it(tmp_path, capsys):
+    """Issue 27 item 8: an FSDP2 model-only save is the one-process model-only folder (tests/integrations/
+    test_fsdp.py checks that); consolidate says it is one already and names the command that reshards it."""
+    model = torch.nn.Linear(4, 3)
+    folder = fastckpt.save_state(model, model_only=True, output_dir=tmp_path / "weights")
+    assert main(["consolidate", str(folder), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fastckpt consolidate: {folder}: already a model folder (model.safetensors), not a DCP checkpoint: "
+                   "there is nothing to consolidate (from_pretrained and load_state read it as it is); to reshard it, "
+                   f"run `fastckpt convert {folder} OUT --to hf-model --max-shard-size 5GB`\n")
+    assert not (tmp_path / "hf").exists()
+    assert main(["convert", str(folder), str(tmp_path / "hf"), "--to", "hf-model", "--max-shard-size", "5GB"]) == 0
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in model.state_dict().items())

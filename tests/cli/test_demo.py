@@ -152,4 +152,23 @@ def test_demo_alternates_contenders_and_reports_medians_of_rounds(monkeypatch):
         assert row.save_s == statistics.median(row.save_rounds)
         ratios = [a / s for a, s in zip(by_name["accelerate"].save_rounds, row.save_rounds)]
         assert row.save_speedup == statistics.median(ratios)
+        load_ratios = [a / s for a, s in zip(by_name["accelerate"].load_rounds, row.load_rounds)]
+        assert row.load_speedup == statistics.median(load_ratios)  # issue 27 item 12: a load column too
     assert "medians of 3 rounds" in out.getvalue()
+    lines = out.getvalue().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("checkpoint"))
+    assert lines[header].split("  ")[-3:] == ["save speedup", "load speedup", "verified"]
+    accelerate_row = next(line for line in lines if line.startswith("accelerate  "))
+    assert accelerate_row.split()[-3:] == ["1.00x", "1.00x", "yes"]
+    assert lines[header + 2 + len(names)].startswith("machine load: 1-minute load average up to ")  # beside it
+    assert result.peak_load >= 0  # sampled during the rounds (Linux has a load average)
+
+
+def test_the_load_average_line_says_what_a_busy_machine_does():
+    busy = demo.busy_line(11.32, cpus=2)
+    assert busy.startswith("machine load: 1-minute load average up to 11.32 on 2 CPUs: busy (other work wanted every "
+                           "CPU): every time above is longer")
+    assert "both speedup columns shrink toward 1x" in busy
+    idle = demo.busy_line(0.5, cpus=16)
+    assert idle == ("machine load: 1-minute load average up to 0.50 on 16 CPUs: not saturated; a busier machine gives "
+                    "longer times and speed-ups closer to 1x")

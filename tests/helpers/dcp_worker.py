@@ -153,6 +153,13 @@ def dtype_mismatch(mesh) -> None:
     checks["D1_error"] = error_of(lambda: fastckpt.dcp.load(target, OUT / "A"))
     checks["D1_changed"] = [k for k, v in target.items() if isinstance(v, torch.Tensor)
                             and (v.to_local() if hasattr(v, "to_local") else v).reshape(-1).view(torch.uint8).any()]
+    # only rank 1's template has a key the checkpoint lacks: a MissingStateError on every rank, nothing read
+    target = as_dtensors(template(state), mesh, 1, zero=True)
+    if dist.get_rank() == 1:
+        target["not_saved"] = torch.zeros(2)
+    checks["M_error"] = error_of(lambda: fastckpt.dcp.load(target, OUT / "A"))
+    checks["M_changed"] = [k for k, v in target.items() if isinstance(v, torch.Tensor)
+                           and (v.to_local() if hasattr(v, "to_local") else v).reshape(-1).view(torch.uint8).any()]
 
 
 def main() -> None:

@@ -11,6 +11,10 @@ Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; 
 - load: the 2-rank checkpoints (``OUT/w2_{kind}``) into fresh FSDP2 objects: state equal to the saved one, and the
   next step equal to the plain run's 4th (``load_{kind}``); model-only load of the full folder; resharding on W=4.
 - model_only: a full load of a model-only folder raises MissingStateError on every rank, nothing changes.
+- frozen (C31, issue 27.4): the 2-rank ``tiny`` checkpoint loaded with block 0 frozen since (``requires_grad``
+  False): still in the optimizer, its AdamW moments come back exactly (the state and the next step equal the
+  one-process reference with the same block frozen: ``frozen_tiny``, ``frozen_tiny_next``); left out of the
+  optimizer, ``strict=False`` lists the dropped state in ``LoadResult.skipped`` (``frozen_tiny_skipped``).
 - failure: rank 1's RNG file damaged -> HeaderError there, CheckpointError elsewhere; a shape mismatch raises
   ShapeMismatchError on every rank; nothing changes on any rank.
 - integrity (W = 2): one flipped byte in a model part file (IntegrityError naming file and tensor on the rank
@@ -45,7 +49,17 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastckpt  # noqa: E402
-from helpers.fsdp_models import build, diff, full_state, optimizer_for, reference, same, shard, train_step  # noqa: E402
+from helpers.fsdp_models import (  # noqa: E402
+    blocks,
+    build,
+    diff,
+    full_state,
+    optimizer_for,
+    reference,
+    same,
+    shard,
+    train_step,
+)
 
 OUT = Path(sys.argv[1])
 S3 = os.environ.get("FASTCKPT_TEST_S3")  # an s3:// prefix on the test process's S3 server (2-process run)
@@ -211,6 +225,32 @@ def scenario_load(kind: str, rank: int, world: int) -> None:
         m2, o2, _ = fresh(kind)
         fastckpt.load_state(m2, input_dir=folder, model_only=True)
         checks[f"load_{kind}_model_only_{name}"] = same(full_state(m2, None), full_state(ref_model, None))
+
+
+def scenario_frozen(rank: int, world: int) -> None:
+    src = OUT / "w2_tiny"
+    model, opt, sched = fresh("tiny")
+    blocks(model)[0].requires_grad_(False)  # frozen since the save; still in the optimizer's param_groups
+    result = fastckpt.load_state(model, opt, sched, input_dir=src)
+    ref_model, ref_opt, ref_sched = reference("tiny", 3)
+    blocks(ref_model)[0].requires_grad_(False)
+    got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+    checks["frozen_tiny"] = same(got, want) or diff(got, want)[:5]
+    checks["frozen_tiny_result"] = [result.missing_keys, result.unexpected_keys, result.skipped]
+    train_step(model, opt, sched, 3, rank=rank, world=world)
+    train_step(ref_model, ref_opt, ref_sched, 3)
+    got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+    checks["frozen_tiny_next"] = same(got, want) or diff(got, want)[:5]
+    # left out of the optimizer: strict refuses, strict=False applies the rest and lists what it dropped
+    model, _, _ = fresh("tiny")
+    blocks(model)[0].requires_grad_(False)
+    trainable = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    checks["frozen_tiny_strict"] = error_of(lambda: fastckpt.load_state(model, trainable, input_dir=src))
+    result = fastckpt.load_state(model, trainable, input_dir=src, strict=False)
+    checks["frozen_tiny_skipped"] = result.skipped
+    ref = reference("tiny", 3)
+    want = {k: v for k, v in full_state(ref[0], ref[1]).items() if not k.startswith("optim.blocks.0.")}
+    checks["frozen_tiny_rest"] = same(full_state(model, trainable), want)
 
 
 def scenario_model_only_rules(rank: int) -> None:
@@ -385,6 +425,7 @@ def main() -> None:
             record(f"scenario_save_{kind}", lambda kind=kind: scenario_train_save(kind, rank, world))
             if world != 2:
                 record(f"scenario_load_{kind}", lambda kind=kind: scenario_load(kind, rank, world))
+        record("scenario_frozen", lambda: scenario_frozen(rank, world))
         if world != 2:
             record("scenario_model_only", lambda: scenario_model_only_rules(rank))
             record("scenario_failures", lambda: scenario_failures(rank, world))

@@ -10,12 +10,15 @@ dropout masks and a resume is exact only if every rank gets its own RNG states b
 - resumed: stopped after the checkpoint of step 4, then a new Trainer resumes (``resume_from_checkpoint=True``).
 - stock: the stock Trainer stops after step 4 (``rng_state_{rank}.pth``...), fastckpt's Trainer resumes it.
 - async: ``fastckpt_async_save=True``, uninterrupted.
+- preempted: rank 1 alone gets SIGUSR1 during step 5 (sent to itself at ``on_step_end``); both ranks agree on the
+  next step boundary, save ``checkpoint-6`` and raise ``fastckpt.Preempted``; a new Trainer resumes from it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -26,6 +29,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import fastckpt  # noqa: E402
 from helpers.trainer_runs import losses, run, weights  # noqa: E402
 
 OUT = Path(sys.argv[1])
@@ -38,9 +42,15 @@ class RankSeed(TrainerCallback):
         torch.manual_seed(1000 + args.process_index)
 
 
-def go(kind: str, out: Path, **kw):
-    return run(kind, out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2, callbacks=(RankSeed(),),
-               **kw)
+class SignalOnRank1(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5 and args.process_index == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def go(kind: str, out: Path, callbacks: tuple = (), **kw):
+    return run(kind, out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
+               callbacks=(RankSeed(), *callbacks), **kw)
 
 
 def record(name: str, trainer, after: int = 0) -> None:
@@ -60,12 +70,23 @@ def stock() -> None:
     record("stock", go("fastckpt", OUT / "stock", resume=True, seed=3), 4)
 
 
+def preempted() -> None:
+    try:
+        go("fastckpt", OUT / "preempted", callbacks=(SignalOnRank1(),))
+        checks["preempted_step"] = None
+    except fastckpt.Preempted as exc:
+        checks["preempted_step"] = [exc.step, exc.code, exc.signum]
+    checks["preempted_files"] = sorted(p.name for p in (OUT / "preempted").iterdir())
+    record("preempted", go("fastckpt", OUT / "preempted", resume=True, seed=3), 6)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     for name, fn in (("full", lambda: record("full", go("fastckpt", OUT / "full"))), ("resumed", resumed),
                      ("stock", stock),
                      ("async", lambda: record("async", go("fastckpt", OUT / "async",
-                                                          trainer_kwargs={"fastckpt_async_save": True})))):
+                                                          trainer_kwargs={"fastckpt_async_save": True}))),
+                     ("preempted", preempted)):
         try:
             fn()
             checks[f"scenario_{name}"] = None

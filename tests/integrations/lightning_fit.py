@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -23,7 +24,9 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+import fastckpt
 import fastckpt.lightning
+from fastckpt.lightning.resume import attach_to_loading_trainer
 from fastckpt.lightning.rng import collect_rng_states, restore_rng_states
 
 BATCHES = 8  # samples 32, batch 4: 8 batches per epoch in one process (4 per process with two)
@@ -65,7 +68,8 @@ def loader(world_size: int = 1, stateful: bool = True, sampler: str = "auto") ->
     ``DistributedSamplerWrapper``, whose order follows the inner sampler's ``generator``, saved nowhere.
     Otherwise (or with ``sampler="plain"``) a plain ``DistributedSampler``, with ``stateful=False`` in a plain
     DataLoader (a mid-epoch resume restarts the epoch); ``sampler="shuffle"``: ``shuffle=True`` and no sampler of
-    ours. The loader's own ``generator`` keeps it from drawing on the global RNG (dropout's)."""
+    ours. No ``generator``, as users write it (the README's recipe): making an iterator draws its base seed from the
+    global RNG (dropout's), which the plugin accounts for (:mod:`fastckpt.lightning.resume`)."""
     g = torch.Generator().manual_seed(1234)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     cls = StatefulDataLoader if stateful else torch.utils.data.DataLoader
@@ -73,8 +77,7 @@ def loader(world_size: int = 1, stateful: bool = True, sampler: str = "auto") ->
         return cls(data, batch_size=4, shuffle=True, generator=torch.Generator())
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     sampler_cls = StatefulDistributedSampler if stateful and sampler == "auto" else torch.utils.data.DistributedSampler
-    return cls(data, batch_size=4, sampler=sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7),
-               generator=torch.Generator())
+    return cls(data, batch_size=4, sampler=sampler_cls(data, num_replicas=world_size, rank=rank, shuffle=True, seed=7))
 
 
 def trainer(max_steps: int, plugin: Any, callbacks: list, root: Path, **kwargs: Any) -> pl.Trainer:
@@ -129,7 +132,9 @@ class TorchIOWithRng(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
         checkpoint = super().load_checkpoint(path, weights_only=False)
-        restore_rng_states(checkpoint.pop(fastckpt.lightning.RNG_KEY))
+        rng = checkpoint.pop(fastckpt.lightning.RNG_KEY)
+        restore_rng_states(rng)
+        attach_to_loading_trainer(rng, checkpoint.get("epoch"))  # as fastckpt's plugin: only the loops differ
         return checkpoint
 
 
@@ -208,6 +213,32 @@ def matches_torch_io(root: Path, stop: int, total: int, *, at_epoch_end: bool = 
     return compare(reference, resumed, stop)
 
 
+class SignalAt(pl.Callback):
+    """Process ``rank`` sends itself SIGUSR1 at the end of step ``step`` (a preemption only it sees)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def preempted_matches(root: Path, at: int, total: int, *, full: tuple[pl.Trainer, TinyModule], expect: int,
+                      **kwargs: Any) -> list[str]:
+    """Process 1 alone gets SIGUSR1 at step ``at``: ``PreemptionCheckpoint`` saves step ``expect`` (the next
+    boundary, agreed by both) to ``ckpts/last.ckpt`` and raises ``Preempted`` on both; the resume from it against
+    ``full``."""
+    preempt = fastckpt.lightning.PreemptionCheckpoint(root / "ckpts")
+    try:
+        fit(total, root / "first", callbacks=[SignalAt(at, 1), preempt], **kwargs)
+        return ["the fit was not preempted"]
+    except fastckpt.Preempted as exc:
+        problems = [] if (exc.step, exc.code) == (expect, 0) else [f"preempted at {exc.step} ({exc.code})"]
+    resumed = fit(total, root / "resumed", ckpt_path=str(root / "ckpts" / "last.ckpt"), **kwargs)
+    return problems + compare(full, resumed, expect)
+
+
 def main(out: Path) -> None:
     """Every two-process scenario in one launch, each against the uninterrupted run; process ``r`` writes its
     differences (its own losses included) to ``results_{r}.json``."""
@@ -224,6 +255,8 @@ def main(out: Path) -> None:
         "epoch_end": resume_matches(out / "epoch_end", half, 3 * half, full=by_epochs, at_epoch_end=True,
                                     by_epochs=True, **kwargs),
     }
+    results["preempted"] = preempted_matches(out / "preempted", half + 1, 3 * half, full=by_steps, expect=half + 2,
+                                             **kwargs)
     # processes seeded differently: exact with every process's RNG states (RankRNGStates); without them process
     # 1 resumes with process 0's states (the negative control: must differ)
     seeded = uninterrupted(out / "full_seeded", 3 * half, seed_per_rank=True, **kwargs)

@@ -388,3 +388,28 @@ def test_async_save_after_a_data_write_commits_the_call_state_or_raises(tmp_path
     acc2, model2, opt2 = prepared(2)
     fastckpt.accelerate.load_state(acc2, tmp_path / "ckpt")
     assert_model_state(acc2.unwrap_model(model2), expected)
+
+
+def test_strict_false_lists_the_optimizer_state_it_drops(tmp_path, new_accelerator):
+    """Issue 27.3 through fastckpt.accelerate: resumed with the first layer frozen and left out of the optimizer,
+    strict=False applies the rest and ``LoadResult.skipped`` names each dropped parameter and its state."""
+    torch.manual_seed(0)
+    acc = new_accelerator()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    fastckpt.accelerate.save_state(acc, tmp_path / "ckpt")
+    acc2 = new_accelerator()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    fresh[0].requires_grad_(False)
+    fresh, opt2 = acc2.prepare(fresh, torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2))
+    result = fastckpt.accelerate.load_state(acc2, tmp_path / "ckpt", strict=False)
+    where = tmp_path / "ckpt" / "optimizer.safetensors"
+    assert result.skipped == [
+        f"{where}: optimizer state of '{name}' (step, exp_avg, exp_avg_sq) not applied: the live optimizer does not "
+        "optimize that parameter (frozen since the save, or left out of its param_groups)" for name in ("0.weight", "0.bias")]
+    for name in ("2.weight", "2.bias"):
+        saved = opt.state[dict(model.named_parameters())[name]]
+        loaded = opt2.state[dict(fresh.named_parameters())[name]]
+        assert all(torch.equal(saved[k], loaded[k]) for k in ("step", "exp_avg", "exp_avg_sq")), name

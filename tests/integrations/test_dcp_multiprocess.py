@@ -1,8 +1,8 @@
 """fastckpt.dcp under real processes (``torchrun``, gloo, CPU): a state of every dtype, tied weights, uneven shards
 and non-tensor values saved as DTensors on 2 ranks loads bit-exact on 1, 2 and 4 ranks in other placements, equal to
 a single-process save; ``dcp.async_save`` works with both checkpointers; a re-save that fails on one rank raises on
-both and leaves the previous checkpoint exact; a dtype mismatch raises DtypeError on every rank and changes nothing; a rank
-SIGKILLed mid-save leaves the previous checkpoint exact and the other rank exits with an error.
+both and leaves the previous checkpoint exact; a dtype mismatch raises DtypeError (a template key the checkpoint
+lacks: MissingStateError) on every rank and changes nothing; a rank SIGKILLed mid-save leaves the previous checkpoint exact and the other rank exits with an error.
 The scenarios run in tests/helpers/dcp_worker.py: each world size starts once (2 ranks ~20 s, 4 ranks ~15 s)."""
 
 from __future__ import annotations
@@ -168,13 +168,16 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(run):
 
 
 def test_dtype_mismatch_raises_on_every_rank_and_changes_nothing(run):
-    _, saved, _, _ = run
+    out, saved, _, _ = run
     for rank, res in enumerate(saved):
         assert res["D_error"].startswith("DtypeError: "), rank
         assert "'w' is stored as torch.float32" in res["D_error"] and "torch.float64" in res["D_error"], rank
         assert res["D_changed"] == [] and res["D_values"] == [None, None], rank
         assert res["D1_error"].startswith("DtypeError: 'f16' is stored as torch.float16"), rank
         assert res["D1_changed"] == [], rank  # rank 0's template was right, and it still read nothing
+        # pytorch#126881: a template key the checkpoint lacks (on rank 1 only) is a MissingStateError on every rank
+        assert res["M_error"].startswith(f"MissingStateError: {out / 'A'}: the checkpoint has no 'not_saved' "), rank
+        assert res["M_changed"] == [], rank
 
 
 

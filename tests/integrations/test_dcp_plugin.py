@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fastckpt.dcp
 import fastckpt.torch
 from fastckpt import _core
-from fastckpt.errors import DtypeError, HeaderError, IntegrityError, MissingStateError
+from fastckpt.errors import DtypeError, HeaderError, IntegrityError, MissingStateError, ShapeMismatchError
 
 single_process = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled|unavailable):UserWarning")
 
@@ -97,6 +97,41 @@ def test_dtype_mismatch(saved):
     with pytest.raises(CheckpointException) as info:  # plain dcp.load: DCP wraps it
         dcp.load(got, storage_reader=fastckpt.dcp.StorageReader(saved))
     assert isinstance(fastckpt.dcp.original_error(info.value), DtypeError)
+
+
+@single_process
+def test_template_keys_the_checkpoint_lacks_are_a_missing_state_error_naming_them(saved):
+    """pytorch#126881: DCP raises a bare RuntimeError naming one key; here every missing key and the path."""
+    got = template(full_state())
+    got["not_saved"] = torch.zeros(2)
+    got["nor_this"] = torch.zeros(1)
+    del got["bf"]
+    with pytest.raises(MissingStateError) as info:
+        fastckpt.dcp.load(got, saved)
+    message = str(info.value)
+    assert message.startswith(f"{saved}: the checkpoint has no 'nor_this', 'not_saved' (2 state_dict key(s)")
+    assert "stored keys the state_dict lacks: ['bf']" in message
+    assert got["not_saved"].eq(0).all() and got["w"].eq(0).all()  # nothing was read
+    with pytest.raises(CheckpointException) as raw:  # plain dcp.load with fastckpt's planner: DCP wraps it
+        dcp.load(got, storage_reader=fastckpt.dcp.StorageReader(saved), planner=fastckpt.dcp.LoadPlanner())
+    assert type(fastckpt.dcp.original_error(raw.value)) is MissingStateError
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    with pytest.raises(MissingStateError, match=r"Missing key in checkpoint state_dict: nor_this"):
+        fastckpt.dcp.load(got, saved, planner=DefaultLoadPlanner())  # DCP's planner: still not a bare RuntimeError
+    partial = template(full_state())
+    partial["not_saved"] = torch.zeros(2)
+    fastckpt.dcp.load(partial, saved, planner=fastckpt.dcp.LoadPlanner(allow_partial_load=True))
+    assert partial["not_saved"].eq(0).all()
+    assert mismatches(full_state(), {k: v for k, v in partial.items() if k != "not_saved"}) == []
+
+
+@single_process
+def test_a_template_of_another_shape_is_a_shape_mismatch_error(saved):
+    got = template(full_state())
+    got["w"] = torch.zeros(8, 5)
+    with pytest.raises(ShapeMismatchError, match=r"^'w' is stored with shape \[7, 5\], the state_dict entry it loads "
+                                                 r"into has shape \[8, 5\]$"):
+        fastckpt.dcp.load(got, saved)
 
 
 def _meta(saved: Path) -> dict:

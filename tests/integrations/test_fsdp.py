@@ -230,6 +230,14 @@ def test_model_only_save_is_the_one_process_folder(runs, one_thread, tmp_path, k
     fastckpt.verify_checkpoint(folder)  # every file with its recorded checksums
     for rank, res in enumerate(results[world]):
         assert res[f"weights_back_{kind}"] is True, rank
+    from fastckpt.cli import main  # issue 27 item 8: consolidate says it is a model folder already
+
+    with pytest.raises(fastckpt.MissingStateError, match=rf"^{folder}: already a model folder \(model.safetensors"
+                                                         rf"{'.index.json' if split else ''}\), not a DCP checkpoint"):
+        from fastckpt._io.dcp.consolidate import consolidate
+
+        consolidate(folder, tmp_path / "hf")
+    assert main(["consolidate", str(folder), str(tmp_path / "hf")]) == 2
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -405,3 +413,51 @@ def test_s3_save_failing_on_one_rank_commits_nothing(runs, s3_prefix):
     assert {k[len(prefix) + 1:].split("/", 1)[0] for k in stored} - {"manifests"} == {
         next(k[len(prefix) + 1:].split("/", 1)[0] for k in stored if "/save-0000000000-" in k)}
     assert all(res["s3_failed_previous_loads"] is True for res in results[2])
+
+
+def _frozen_lines(folder: Path) -> list[str]:
+    names = [n for n, _ in build("tiny").named_parameters() if n.startswith("blocks.0.")]
+    return [f"{folder / 'optimizer.json'}: optimizer state of {n!r} (step, exp_avg, exp_avg_sq) not applied: the "
+            "live optimizer does not optimize that parameter (frozen since the save, or left out of its param_groups)"
+            for n in names]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_c31_a_block_frozen_at_load_gets_its_moments_on_every_rank(runs, world):
+    """Issue 27.4 (pytorch#192202): the 2-rank checkpoint loaded on 2 and 4 ranks with block 0 frozen since: its
+    AdamW moments (still in the optimizer) are restored and the next step equals the one-process reference; left
+    out of the optimizer, strict refuses and strict=False lists each dropped parameter's state."""
+    out, results = runs
+    for rank, res in enumerate(results[world]):
+        assert res["scenario_frozen"] is None, (rank, res["scenario_frozen"])
+        assert res["frozen_tiny"] is True and res["frozen_tiny_next"] is True, (rank, res["frozen_tiny"])
+        assert res["frozen_tiny_result"] == [[], [], []], rank
+        assert res["frozen_tiny_strict"]["error"] == "KeyMismatchError", res["frozen_tiny_strict"]
+        assert "blocks.0." in res["frozen_tiny_strict"]["message"], res["frozen_tiny_strict"]
+        assert res["frozen_tiny_skipped"] == _frozen_lines(out / "w2_tiny"), rank
+        assert res["frozen_tiny_rest"] is True, rank
+
+
+def test_c31_a_block_frozen_at_load_gets_its_moments_in_one_process(runs, one_thread):
+    """The same 2-rank checkpoint into a plain model in one process (2 -> 1)."""
+    from helpers.fsdp_models import blocks
+
+    out, _ = runs
+    model = build("tiny", 9)
+    opt, sched = optimizer_for(model)
+    blocks(model)[0].requires_grad_(False)
+    with pytest.warns(fastckpt.RngRestoreWarning):
+        result = fastckpt.load_state(model, opt, sched, input_dir=out / "w2_tiny")
+    assert (result.missing_keys, result.unexpected_keys, result.skipped) == ([], [], [])
+    ref_model, ref_opt, ref_sched = reference("tiny", 3)
+    blocks(ref_model)[0].requires_grad_(False)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    train_step(model, opt, sched, 3)
+    train_step(ref_model, ref_opt, ref_sched, 3)
+    assert same(full_state(model, opt), full_state(ref_model, ref_opt))
+    left_out = build("tiny", 9)
+    blocks(left_out)[0].requires_grad_(False)
+    trainable = torch.optim.AdamW([p for p in left_out.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    with pytest.warns(fastckpt.RngRestoreWarning):
+        result = fastckpt.load_state(left_out, trainable, input_dir=out / "w2_tiny", strict=False)
+    assert result.skipped == _frozen_lines(out / "w2_tiny")

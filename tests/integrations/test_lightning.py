@@ -182,7 +182,8 @@ def test_pickle_part_needs_trust_and_weights_only_refuses_it(tmp_path):
 def test_two_processes_ddp(tmp_path):
     """Every 2-process scenario in one Lightning launch (subprocess launcher), each against the uninterrupted
     2-process run: mid-epoch (in epoch 1), async, after an epoch's last batch, at an epoch's end, and processes
-    seeded differently (with ``RankRNGStates``; without it process 1's resumed losses differ); and stock
+    seeded differently (with ``RankRNGStates``; without it process 1's resumed losses differ), a SIGUSR1 that only
+    process 1 gets (``PreemptionCheckpoint``: both save the agreed next step and stop; the resume is exact); and stock
     Lightning's inexact ``StatefulDataLoader(shuffle=True)`` resume, which must differ from the first batch."""
     script = Path(__file__).parent / "lightning_fit.py"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -193,7 +194,7 @@ def test_two_processes_ddp(tmp_path):
     results = [json.loads((tmp_path / f"results_{rank}.json").read_text()) for rank in (0, 1)]
     for rank, got in enumerate(results):
         assert set(got) == {"mid_epoch", "async", "last_batch", "epoch_end", "rank_seeds",
-                            "rank_seeds_without_callback", "shuffle_true"}
+                            "rank_seeds_without_callback", "shuffle_true", "preempted"}
         plain = got.pop("rank_seeds_without_callback")
         # stock Lightning's inexact case (module docs): the order differs from the first resumed batch on
         shuffled = got.pop("shuffle_true")

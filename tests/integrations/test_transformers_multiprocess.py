@@ -84,3 +84,18 @@ def test_async_run_is_the_same_run(run):
         assert (a / "fastckpt.json").is_file()
         assert equal(st.load_file(a / "model.safetensors"), st.load_file(b / "model.safetensors"))
         assert equal(st.load_file(a / "optimizer.safetensors"), st.load_file(b / "optimizer.safetensors"))
+
+
+def test_a_signal_on_one_process_saves_the_same_step_on_both(run):
+    """Rank 1 alone got SIGUSR1 during step 5: both agreed on step 6 (through the store), saved checkpoint-6 with
+    both RNG files, exited with Preempted(0); the resume from it is exact on both ranks."""
+    import signal
+
+    out, results = run
+    for rank, r in enumerate(results):
+        assert r["preempted_step"] == [6, 0, int(signal.SIGUSR1) if rank == 1 else int(signal.SIGTERM)], rank
+        assert r["preempted_files"] == ["checkpoint-4", "checkpoint-6"]
+        assert r["preempted_losses"] == [e for e in r["full_losses"] if e[0] > 6], rank
+        assert equal(final(out, "preempted", rank), final(out, "full", rank)), rank
+    names = {p.name for p in (out / "preempted" / "checkpoint-6").iterdir()}
+    assert {"random_states_0.safetensors", "random_states_1.safetensors", "fastckpt.json"} <= names

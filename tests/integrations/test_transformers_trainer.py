@@ -121,7 +121,14 @@ def test_save_only_model(tmp_path):
     saved = st.load_file(folder / "model.safetensors")
     live = weights(trainer)
     assert all(torch.equal(saved[k], live[k]) for k in saved)
-    again = run("fastckpt", tmp_path, save_only_model=True, resume=True, seed=3)  # weights + step, fresh optimizer
+    with pytest.warns(fastckpt.ResumeWarning) as caught:  # issue 27 item 8: not silently
+        again = run("fastckpt", tmp_path, save_only_model=True, resume=True, seed=3)  # weights + step, fresh optimizer
+    assert [str(w.message) for w in caught if w.category is fastckpt.ResumeWarning] == [
+        f"{folder}: saved with save_only_model=True (weights and trainer_state.json only): resuming from it restores "
+        "the weights and the step count, and starts the optimizer (AdamW: no moments, no step counts), the "
+        "learning-rate scheduler (LambdaLR: back to its first step's learning rate) and the RNG states (dropout, data "
+        "order) afresh, so training from here differs from an uninterrupted run; resume from a checkpoint saved "
+        "without save_only_model for an exact resume"]
     assert [s for s, *_ in losses(again, 4)] == [5, 6, 7, 8, 9, 10] and again.state.global_step == 10
 
 

@@ -3,8 +3,16 @@ the interpreter exits); a second, while the save is still in flight (here: while
 the writer thread), cancels it: nothing is committed and the previous checkpoint stays bit-exact.
 
 The child process sends itself SIGINT from the writer thread, held before its commit, once the main thread is
-where the keystroke is meant to land (seen in ``sys._current_frames()``): a handshake, no delays. An ``atexit``
-hook keeps the process alive until the writer is done, so what it commits is never cut short by the exit.
+where the keystroke is meant to land (seen in ``sys._current_frames()``: waiting inside ``AsyncSave.wait``; a
+signal handled at the very first instruction of ``wait`` would raise before its ``try``, as a Ctrl-C just before the
+call does): a handshake, no delays. An ``atexit`` hook keeps the process alive until the writer is done, so what
+it commits is never cut short by the exit.
+
+A Ctrl-C is a ``KeyboardInterrupt`` raised at whatever instruction the main thread runs. Issue 27.9 (the
+``two_ctrl_c`` case hung under load): waiting through ``concurrent.futures.Future.result()``, one landing right
+after the future's condition lock was taken left it held, so the writer blocked forever setting its result and the
+exit hung joining it (see :mod:`fastckpt._io.async_save.outcome`). ``test_ctrl_c_at_any_instruction_of_wait...`` raises
+it at every instruction of ``wait`` in turn, deterministically (an opcode trace), and the save must still finish.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ MB = 2
 OLD, NEW = 11, 22
 
 _CHILD = """
-import atexit, concurrent.futures, os, signal, sys, threading
+import atexit, os, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
 from fastckpt._io.async_save import stream as async_stream
@@ -52,7 +60,7 @@ real = async_stream.StreamingSave.before_commit
 
 
 def held(self, *checksums):  # the writer thread, every file written, before the commit
-    until(lambda: main_in("wait", file="async_writer"))
+    until(lambda: main_in("wait", file="outcome.py"))  # inside AsyncSave.wait's try: where a Ctrl-C lands
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the main thread waits in handle.wait()
     if {second!r}:
         until(lambda: main_in("_python_exit", "_shutdown"))  # the interpreter exits and joins this thread
@@ -63,7 +71,7 @@ def held(self, *checksums):  # the writer thread, every file written, before the
 
 async_stream.StreamingSave.before_commit = held
 handle = fastckpt.save_state(model, opt, sched, output_dir={target!r}, step={new}, async_save=True)
-atexit.register(lambda: concurrent.futures.wait([handle._future]))
+atexit.register(handle._outcome.wait)
 try:
     handle.wait()
 except KeyboardInterrupt as exc:
@@ -109,3 +117,80 @@ def test_cancel_before_the_commit_commits_nothing(tmp_path, held_writer, mode):
     done.wait()
     assert done.cancel() is False  # committed: too late
     assert which_state(tmp_path / "c", MB, {"old": OLD, "new": NEW}) == "new"
+
+
+_EVERY_INSTRUCTION = """
+import sys, threading
+sys.path.insert(0, {helpers!r})
+import fastckpt
+from fastckpt._io.async_save import stream as async_stream
+from crash_worker import build_state
+
+model, opt, sched = build_state({new}, {mb})
+gate = threading.Event()
+real = async_stream.StreamingSave.before_commit
+
+
+def held(self, *checksums):  # the writer, every file written, waits before its commit
+    gate.wait()
+    return real(self, *checksums)
+
+
+def interrupt_at(k):
+    seen = [0]
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            if seen[0] == k:
+                raise KeyboardInterrupt  # a Ctrl-C handled before this instruction (the trace is then unset)
+            seen[0] += 1
+        return trace
+    return trace
+
+
+async_stream.StreamingSave.before_commit = held
+handle = fastckpt.save_state(model, opt, sched, output_dir={target!r}, step={new}, async_save=True)
+k = interrupted = 0
+others = []
+try:
+    while True:
+        sys.settrace(interrupt_at(k))
+        try:
+            handle.wait(timeout=0)
+        except KeyboardInterrupt:
+            interrupted += 1
+        except TimeoutError:
+            break  # a whole call ran before instruction k: every instruction was interrupted once
+        except Exception as exc:  # what a Ctrl-C must never turn into
+            others.append(f"instruction {{k}}: {{type(exc).__name__}}: {{exc}}")
+        finally:
+            sys.settrace(None)
+        k += 1
+finally:
+    gate.set()
+print("others", others, flush=True)
+waiter = threading.Thread(target=handle.wait)  # not the main thread: it must not need the main thread's help
+waiter.start()
+waiter.join()
+print("committed", interrupted, k, flush=True)
+"""
+
+
+def test_ctrl_c_at_any_instruction_of_wait_never_blocks_the_writer(tmp_path):
+    """A KeyboardInterrupt raised at each instruction of ``AsyncSave.wait`` in turn (the whole call tree: lock and
+    condition code included) leaves nothing the writer or another waiter needs: the save commits, another thread's
+    ``wait()`` returns, and the process exits. With ``concurrent.futures.Future`` underneath, the interrupt after
+    ``Condition.__enter__`` took the future's lock made the writer block forever (this child hung)."""
+    import helpers
+
+    target = tmp_path / "ckpt"
+    fastckpt.save_state(*build_state(OLD, MB), output_dir=target, step=OLD)
+    code = textwrap.dedent(_EVERY_INSTRUCTION).format(helpers=str(Path(helpers.__file__).parent), new=NEW, mb=MB,
+                                                      target=str(target))
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "others []" in proc.stdout, proc.stdout
+    words = proc.stdout.splitlines()[-1].split()
+    assert words[0] == "committed" and int(words[1]) == int(words[2]) > 10, proc.stdout
+    assert which_state(target, MB, {"old": OLD, "new": NEW}) == "new"

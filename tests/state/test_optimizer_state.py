@@ -303,3 +303,47 @@ def test_c26_param_without_state_yet_is_not_uncovered(tmp_path):
     assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
     assert len(fopt.state[fresh.fc2.bias]) == 0
     assert_nested_equal(fopt.state_dict(), saved)
+
+
+def _trained_then_frozen(tmp_path):
+    """make_tiny trained 2 AdamW steps over every parameter and saved; then a fresh model with ``fc1`` frozen."""
+    model = make_tiny(1)
+    opt = O.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, None, batches(2))
+    ckpt = fastckpt.save_state(model, opt, output_dir=tmp_path / "all")
+    fresh = make_tiny(2)
+    fresh.fc1.requires_grad_(False)
+    return model, opt, ckpt, fresh
+
+
+def test_c31_frozen_at_load_but_still_in_the_optimizer_gets_its_state_exactly(tmp_path):
+    model, opt, ckpt, fresh = _trained_then_frozen(tmp_path)
+    fopt = O.AdamW(fresh.parameters(), lr=1e-2)  # the frozen fc1 stays in the optimizer's groups
+    result = fastckpt.load_state(fresh, fopt, input_dir=ckpt)
+    assert (result.missing_keys, result.unexpected_keys, result.skipped) == ([], [], [])
+    assert_nested_equal(fopt.state_dict(), opt.state_dict())
+
+
+def test_strict_false_lists_the_dropped_state_of_parameters_frozen_since(tmp_path):
+    """Issue 27.3 (composer#1002): resumed with more layers frozen and an optimizer over the trainable ones only,
+    the saved state of the frozen parameters cannot be applied: strict refuses, strict=False applies the rest and
+    ``LoadResult.skipped`` names each dropped parameter and its state."""
+    model, opt, ckpt, fresh = _trained_then_frozen(tmp_path)
+    fopt = O.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    with pytest.raises(fastckpt.KeyMismatchError, match=r"fc1\.weight"):
+        fastckpt.load_state(fresh, fopt, input_dir=ckpt)
+    result = fastckpt.load_state(fresh, fopt, input_dir=ckpt, strict=False)
+    where = ckpt / "optimizer.safetensors"
+    assert result.skipped == [
+        f"{where}: optimizer state of '{name}' (step, exp_avg, exp_avg_sq) not applied: the live optimizer does not "
+        "optimize that parameter (frozen since the save, or left out of its param_groups)"
+        for name in ("fc1.weight", "fc1.bias")]
+    assert (result.missing_keys, result.unexpected_keys) == ([], [])
+    saved = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        if p.requires_grad:
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert_tensor_identical(fopt.state[p][key], opt.state[saved[name]][key], f"{name}.{key}")
+    fresh_all = make_tiny(2)
+    all_opt = O.AdamW(fresh_all.parameters(), lr=1e-2)
+    assert fastckpt.load_state(fresh_all, all_opt, input_dir=ckpt, strict=False).skipped == []  # nothing dropped

@@ -39,6 +39,7 @@ from fastckpt._io.storage.local.layout import part_name
 from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.model import collect_model_state
 from fastckpt._state.rng import RngState
+from fastckpt._state.subclasses import refuse_subclasses
 from fastckpt.errors import HeaderError, MissingStateError, UnsafePickleError
 
 __all__ = [
@@ -215,6 +216,8 @@ def build_accelerate_plan(
     )
     for i, sd in enumerate(states):
         tensors, _aliases = collect_model_state(sd, unwrap_compiled=False)  # the names stock accelerate reads
+        refuse_subclasses(_aliases, why="compat='accelerate' writes the files stock accelerate reads, which hold no "
+                                        "tensor subclass; save with fastckpt's layout (compat=None)")
         plan.parts.append(FilePart(model_file(i), tensors, [("format", "pt")]))
     if model_only:
         if models:

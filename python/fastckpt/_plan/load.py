@@ -8,14 +8,13 @@ schedulers and RNGs their states. A failure in phase 1 leaves every object as it
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._io.storage.local.backend import LocalStorage, check_input_dir
 from fastckpt._io.storage.local.folder import open_safetensors
 from fastckpt._io.storage.local.layout import MANIFEST, checkpoint_layout, part_name, random_states_name, read_manifest
-from fastckpt._io.storage.local.numbering import checkpoint_numbers
 from fastckpt._io.storage.local.shards import open_state_file, open_state_files
 from fastckpt._plan.apply import LoadPlan
 from fastckpt._state.model import matching_module, plan_module_load
@@ -31,31 +30,9 @@ __all__ = ["resolve_input_dir", "check_input_dir", "LoadPlan", "plan_load"]
 
 
 def resolve_input_dir(input_dir: Any, project_dir: Any, *, full: bool = False) -> Path:
-    """The folder to load: ``input_dir``, or the latest committed checkpoint (``full``: saved in full)."""
-    if input_dir is not None:
-        return check_input_dir(Path(input_dir))
-    root = Path(project_dir if project_dir is not None else os.getcwd())
-    numbers = checkpoint_numbers(root, full_only=full)
-    if not numbers:
-        what = "full checkpoint" if full and checkpoint_numbers(root) else "checkpoint"
-        raise MissingStateError(f"{root / 'checkpoints'}: no committed {what} (no checkpoint_N with {MANIFEST})")
-    return numbers[max(numbers)]
-
-
-def check_input_dir(folder: Path) -> Path:
-    """``folder`` if it is a folder.
-
-    Raises:
-        MissingStateError: nothing is there, or it is a file (the message says which, and for a file names the
-            folder that holds it).
-    """
-    if folder.is_dir():
-        return folder
-    if folder.exists():
-        raise MissingStateError(
-            f"{folder}: is a file, not a checkpoint folder; pass the folder that holds it ({folder.parent})"
-        )
-    raise MissingStateError(f"{folder}: no such checkpoint folder")
+    """The folder to load: ``input_dir``, or the latest committed checkpoint (``full``: saved in full); see
+    :meth:`fastckpt._io.storage.local.backend.LocalStorage.locate` for the errors."""
+    return LocalStorage(input_dir, project_dir).locate(model_only=not full)
 
 
 def _open_part(folder: Path, name: str, what: str) -> Any:
@@ -146,7 +123,7 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         file = open_state_file(folder, part_name("optimizer", j, ""), f"optimizer {j}")
         state = read_optimizer_state(opt, file, positional_fqns(opt) if positional else fqns, strict=strict,
                                      map_location=map_location, defer=load.live_reads,
-                                     label=part_name("optimizer", j, ""))
+                                     label=part_name("optimizer", j, ""), skipped=load.skipped)
         if state is None:
             load.skipped.append(f"{part_name('optimizer', j, '')}: saved by {(file.metadata() or {}).get('optimizer')}, "
                                 f"the live optimizer is {optimizer_class_name(opt)}; it keeps its own state")

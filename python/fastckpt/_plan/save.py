@@ -22,6 +22,7 @@ from fastckpt._state.optimizer import optimizer_payload, param_fqns
 from fastckpt._state.peft_adapter import ADAPTER_CONFIG, ADAPTER_FILE, adapter_config_json, adapter_state, is_peft_model
 from fastckpt._state.rng import rng_payload
 from fastckpt._state.scheduler import scheduler_class_name
+from fastckpt._state.subclasses import refuse_subclasses
 from fastckpt._state.trainable import split_state
 
 __all__ = ["FilePart", "SavePlan", "build_save_plan"]
@@ -150,6 +151,8 @@ def build_save_plan(
         tensors, aliases = collect_model_state(m)
         name = part_name("model", i, ".safetensors")
         if trainable_only:
+            refuse_subclasses(aliases, why="trainable_only does not record tensor subclasses yet (their frozen "
+                                           "check would not see them); save without trainable_only")
             tensors, aliases, frozen = split_state(models[i], tensors, aliases, trainable_buffers, threads=threads)
             plan.counts["frozen"][part_name("model", i, "")] = frozen
             if model_only and i == 0 and is_peft_model(models[0]):

@@ -13,6 +13,8 @@ Phase 2 (:meth:`ShardedLoad.apply`): ``set_model_state_dict`` and ``set_optimize
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -22,8 +24,11 @@ import torch
 from fastckpt import _core
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._io.storage.local.folder import verify_file
 from fastckpt._io.storage.local.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
+from fastckpt._state.optimizer import param_fqns
+from fastckpt._state.optimizer_checks import dropped_state_lines
 from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
 from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
 from fastckpt.errors import MissingStateError
@@ -56,6 +61,7 @@ class ShardedLoad:
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     objects: list[tuple[Any, Any]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # saved state not applied (strict=False), with the reason
 
     def apply(self) -> None:
         """Phase 2: change the live objects."""
@@ -68,13 +74,33 @@ class ShardedLoad:
         for model, state in self.models:
             set_model_state_dict(model, state, options=StateDictOptions(strict=self.strict))
         for model, opt, state in self.optimizers:
-            set_optimizer_state_dict(model, opt, state)
+            with saved_state_applies_to_frozen(model, opt, state):
+                set_optimizer_state_dict(model, opt, state)
         for sched, state in self.schedulers:
             sched.load_state_dict(state)
         for obj, state in self.objects:
             obj.load_state_dict(state)
         if self.rng is not None:
             self.rng.restore()
+
+
+@contextmanager
+def saved_state_applies_to_frozen(model: torch.nn.Module, optimizer: Any, state: dict[str, Any]) -> Iterator[None]:
+    """Around ``set_optimizer_state_dict``: parameters of ``optimizer`` with ``requires_grad=False`` whose state
+    was saved count as trainable, so their moments are applied as the one-process path (torch's
+    ``Optimizer.load_state_dict``) applies them. DCP's ``_split_optim_state_dict`` drops the state of a parameter
+    that does not require grad (pytorch#192202: trained, then frozen before the resume, its moments were lost)."""
+    fqns = param_fqns([model])
+    saved = state.get("state", {})
+    frozen = [p for g in optimizer.param_groups for p in g["params"]
+              if not p.requires_grad and fqns.get(id(p)) in saved and saved[fqns[id(p)]]]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> None:
@@ -199,6 +225,12 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
         owner = owner_model(opt, models, base)
         d, info = optimizer_destination(owner, opt, base, saved, part(base), strict=strict,
                                         where=f"{folder / (base + '.json')}")
+        fqns = param_fqns([owner])
+        optimized = {fqns.get(id(p)) for g in opt.param_groups for p in g["params"]}
+        names = saved.get("state_names", {})
+        load.skipped += dropped_state_lines([f for f in names if f not in optimized], names,
+                                            saved.get("extra_state", {}), path=str(folder / (base + ".json")),
+                                            label=base)
         dest[base] = d
         saved_optimizers.append((owner, opt, base, info))
     _check_count(folder, manifest, "schedulers", schedulers)
@@ -264,9 +296,8 @@ def _check_part_files(folder: Path, sharded: dict[str, Any], *, stat: bool = Tru
         if not stat:
             continue
         try:
-            size = path.stat().st_size
+            problem = recorded_size_problem(path, info.get("bytes") if isinstance(info, dict) else info, "the manifest")
         except FileNotFoundError:
             raise MissingStateError(f"{path}: listed in the manifest but missing") from None
-        if not isinstance(info, dict) or size != info.get("bytes"):
-            raise IntegrityError(f"{path}: {size} bytes on disk, {info.get('bytes') if isinstance(info, dict) else info}"
-                                 " recorded in the manifest")
+        if problem is not None or not isinstance(info, dict):
+            raise IntegrityError(problem or f"{path}: the manifest records {info!r}, not a size")

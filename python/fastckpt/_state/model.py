@@ -20,6 +20,7 @@ from fastckpt._format.dtypes import to_safetensors_dtype, torch_shape
 from fastckpt._format.tensors import destination_buffer, tensor_from_buffer
 from fastckpt._state.destinations import check_destination
 from fastckpt._state.key_match import canonical_fqn, untied_conflicts
+from fastckpt._state.subclasses import expand_live, flatten_subclasses, is_plain, stored_records
 from fastckpt.errors import DtypeError, KeyMismatchError, ShapeMismatchError
 
 __all__ = [
@@ -48,6 +49,8 @@ def find_aliases(state_dict: Mapping[str, torch.Tensor], *, any_overlap: bool = 
     by_storage: dict[tuple, list[str]] = {}
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0 or t.is_meta:
+            continue
+        if not is_plain(t):  # a wrapper subclass has no storage of its own (its inner tensors are checked)
             continue
         storage = t.untyped_storage()
         by_storage.setdefault((t.device, storage.data_ptr()), []).append(name)
@@ -94,10 +97,13 @@ def collect_model_state(
 
     Returns:
         ``(tensors, aliases)``: ``tensors`` is the state dict without tied duplicates (values are detached views
-        of the live tensors, not copies); ``aliases`` maps each dropped name to the kept name.
+        of the live tensors, not copies), each traceable wrapper subclass replaced by its inner tensors;
+        ``aliases``: the file's metadata entries, each dropped name -> the kept name, plus the subclass records
+        of :func:`fastckpt._state.subclasses.flatten_subclasses`.
 
     Raises:
         TypeError: a state_dict entry is not a tensor (e.g. an ``extra_state`` object), naming it.
+        TensorSubclassError: a tensor subclass fastckpt cannot store exactly (names it and its type).
     """
     state_dict = dict(module) if isinstance(module, Mapping) else module.state_dict()
     if unwrap_compiled:
@@ -108,11 +114,13 @@ def collect_model_state(
                 f"{type(module).__name__}.state_dict()[{name!r}] is a {type(value).__name__}; "
                 "fastckpt stores tensors only in model files (get_extra_state must return a tensor)"
             )
+    state_dict, records = flatten_subclasses(state_dict, owner=type(module).__name__)
     aliases: dict[str, str] = {}
     for group in find_aliases(state_dict):
         for dropped in group[1:]:
             aliases[dropped] = group[0]
             del state_dict[dropped]
+    aliases.update(records)
     return state_dict, aliases
 
 
@@ -164,7 +172,11 @@ def plan_module_load(module: torch.nn.Module, files: list, *, strict: bool = Tru
     stored = {s.name for s in sources.values()}
     for f in files:
         aliases.update({canonical_fqn(k): canonical_fqn(v) for k, v in _file_aliases(f, stored).items()})
+    records = stored_records(files)
     live = module.state_dict(keep_vars=True)
+    if records or any(isinstance(t, torch.Tensor) and not is_plain(t) for t in live.values()):
+        live = expand_live(live, {canonical_fqn(k): v for k, v in records.items()}, owner=type(module).__name__,
+                           stored=set(sources), canonical=canonical_fqn)
     live_groups = {n: g for g in find_aliases(live) for n in g}
     live_canonical = {canonical_fqn(n) for n in live}
 

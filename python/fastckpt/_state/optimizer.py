@@ -24,7 +24,8 @@ from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt._io.storage.local.folder import read_fresh
 from fastckpt._state.key_match import canonical_fqn
-from fastckpt.errors import DtypeError, HeaderError, KeyMismatchError, ShapeMismatchError
+from fastckpt._state.optimizer_checks import check_hyper, check_state_tensor, dropped_state_lines
+from fastckpt.errors import HeaderError, KeyMismatchError, ShapeMismatchError
 
 __all__ = ["param_fqns", "optimizer_payload", "read_optimizer_state"]
 
@@ -198,86 +199,6 @@ def _load_json(metadata: dict[str, str], key: str, path: str) -> Any:
     return value
 
 
-#: State that torch's optimizers keep shaped like the parameter (Adam, AdamW, SGD, RMSprop, Adadelta, Adagrad...).
-PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                                "acc_delta", "sum"})
-
-
-def _dtype_kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    if dtype.is_complex:
-        return "complex"
-    return "floating" if dtype.is_floating_point else "integer"
-
-
-def _same_shape(name: str, got: list[int], want: list[int]) -> bool:
-    one = len(got) <= 1 and len(want) <= 1 and got in ([], [1]) and want in ([], [1])
-    return got == want or (name == "step" and one)  # ``step``: 0-d or 1 element, as the optimizer's variant keeps it
-
-
-def _check_state_tensor(key: str, name: str, saved: torch.Tensor, param: Any, live: Any, path: str,
-                        label: str) -> None:
-    """A saved state tensor must fit the live optimizer: the shape and dtype of the tensor of that name the live
-    optimizer already keeps for the parameter; else, for the state torch keeps shaped like the parameter
-    (:data:`PARAM_SHAPED_STATE`), its shape and kind of dtype (floating, integer, bool, complex). Other state
-    (Adafactor's row/col factors, LBFGS's flat directions) is not of the parameter's shape and is not compared.
-
-    Raises:
-        ShapeMismatchError / DtypeError: names the file, the tensor and both shapes / dtypes.
-    """
-    got, kind = list(saved.shape), _dtype_kind(saved.dtype)
-    if isinstance(live, torch.Tensor) and not live.is_sparse:
-        want, wanted_dtype, what = list(live.shape), live.dtype, f"the live {label}'s {name!r} state"
-        dtype_ok = saved.dtype == live.dtype
-    elif name in PARAM_SHAPED_STATE and isinstance(param, torch.Tensor):
-        want, wanted_dtype, what = list(param.shape), param.dtype, "the parameter"
-        dtype_ok = kind == _dtype_kind(param.dtype)
-    else:
-        return
-    if not _same_shape(name, got, want):
-        raise ShapeMismatchError(f"{path}: optimizer state {key!r} has shape {got} but {what} has shape {want}; "
-                                 "its next step() would fail. Nothing was changed.")
-    if not dtype_ok:
-        raise DtypeError(f"{path}: optimizer state {key!r} is stored as {saved.dtype} but {what} is {wanted_dtype}; "
-                         "fastckpt never casts silently. Nothing was changed.")
-
-
-def _value_kind(value: Any) -> Any:
-    """What a param_groups value must keep across a save: number (int and float alike), bool, str, or a
-    sequence of such of one length; None for values not compared (None itself: an option left to torch)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, torch.Tensor):
-        return "bool" if value.dtype == torch.bool else "number" if value.numel() == 1 else None
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, (list, tuple)):
-        return ("sequence", len(value), tuple(_value_kind(v) for v in value))
-    return None
-
-
-def _check_hyper(saved: dict[str, Any], live: dict[str, Any], path: str, saved_index: int, live_index: int,
-                 label: str) -> None:
-    """Each saved hyper-parameter must be of the kind of the live group's value of that key (``lr="x"`` for a
-    float ``lr``, two ``betas`` for a live pair of floats...). Raises HeaderError naming file, group, key, values."""
-    for key, value in saved.items():
-        if key == "params" or key not in live:
-            continue
-        want, got = _value_kind(live[key]), _value_kind(value)
-        if want is None or got is None or want == got:
-            continue
-        raise HeaderError(
-            f"{path}: metadata 'param_groups'[{saved_index}] (loaded into param group {live_index} of the live "
-            f"{label}) has {key}={value!r} but the live value is {live[key]!r}; its next step() would fail. Nothing "
-            "was changed."
-        )
-
-
 def optimizer_fits(saved_class: Any, optimizer: Any, *, strict: bool, path: str, label: str) -> bool:
     """Whether state saved by ``saved_class`` may be loaded into ``optimizer``; False (not ``strict``): another
     class, whose ``param_groups`` and state keys would not fit (AdamW's groups in SGD fail its next ``step()``), so
@@ -308,6 +229,7 @@ def read_optimizer_state(
     map_location: Any = None,
     label: str = "optimizer",
     defer: list | None = None,
+    skipped: list[str] | None = None,
 ) -> dict[str, Any] | None:
     """Read an optimizer file into a positional state dict for ``optimizer.load_state_dict``; changes nothing.
 
@@ -322,6 +244,9 @@ def read_optimizer_state(
             now: the returned state dict holds the live tensor itself and ``(file, [(name, tensor)])`` is appended
             to ``defer``; read it with :func:`fastckpt._state.live_targets.read_tensors` just before
             ``load_state_dict`` (see :mod:`fastckpt._state.live_targets`).
+        skipped: when a list is given (``strict=False``), one line is appended for each saved parameter whose
+            state is not applied because the live optimizer does not optimize it (frozen since, or left out of its
+            ``param_groups``), naming the file, the fqn and the state names (``LoadResult.skipped``).
 
     Raises:
         KeyMismatchError: ``strict`` and a live parameter is in no saved param group, or the saved groups hold
@@ -410,6 +335,8 @@ def read_optimizer_state(
             f"optimize: {orphaned[:10]}{' ...' if len(orphaned) > 10 else ''}; loading would drop it (load with "
             "strict=False to take the state of the parameters it does optimize)"
         )
+    if skipped is not None:
+        skipped += dropped_state_lines(orphaned, state_names, extra, path=path, label=label)
     groups: list[dict[str, Any]] = []
     position = 0
     for live_group in optimizer.param_groups:
@@ -421,7 +348,7 @@ def read_optimizer_state(
         else:
             hyper = decode_json({k: v for k, v in saved_groups[source].items() if k != "params"},
                                 f"{path}: metadata 'param_groups'", tensors=resolve)
-            _check_hyper(hyper, live_group, path, source, len(groups), label)
+            check_hyper(hyper, live_group, path, source, len(groups), label)
         groups.append({**hyper, "params": list(range(position, position + n))})
         position += n
 
@@ -437,7 +364,7 @@ def read_optimizer_state(
         for name in state_names.get(fqn, []):
             key = f"state.{stored_fqn.get(fqn, fqn)}.{name}"
             t = resolve(key)
-            _check_state_tensor(key, name, t, param, held.get(name), path, label)
+            check_state_tensor(key, name, t, param, held.get(name), path, label)
             if map_location is not None and name != "step":
                 t = t.to(map_location)
             values[name] = t

@@ -25,6 +25,9 @@ as with stock accelerate: when none of the other processes joins the save within
 saved and keeps them). A sharded FSDP2 model cannot be saved that way (every process holds part of its state): the
 main process says so after those seconds instead of waiting out ``timeout``.
 
+:func:`checkpoint_manager` gives an accelerate loop a :class:`fastckpt.CheckpointManager` over the same objects
+(periodic and preemption saves, the memory tier; see :mod:`fastckpt.accelerate.manager`).
+
 FSDP2 (``DistributedType.FSDP``, ``fsdp_version=2``): with ``SHARDED_STATE_DICT`` every process writes its shards
 through torch.distributed.checkpoint into the same atomic commit (see :mod:`fastckpt._plan.sharded_save`), and a
 load reshards to any number of processes; with ``FULL_STATE_DICT`` the state is gathered to the main process and
@@ -56,6 +59,7 @@ from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, warn_unrestored
 from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full
+from fastckpt.accelerate.manager import checkpoint_manager
 from fastckpt.accelerate.project import project_root, set_iteration
 from fastckpt.accelerate.remote import (
     check_remote_save,
@@ -67,7 +71,7 @@ from fastckpt.accelerate.saving import DEFAULT_MAX_SHARD_SIZE, UNSET, save_track
 from fastckpt.checkpoint import LoadResult
 from fastckpt.errors import CheckpointError, MissingStateError
 
-__all__ = ["save_state", "load_state", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["save_state", "load_state", "checkpoint_manager", "DEFAULT_MAX_SHARD_SIZE"]
 
 _DEFAULT = UNSET
 

@@ -70,4 +70,4 @@ def load_sharded_state(accelerator: Any, folder: Path, models: list, *, model_on
     plan.apply()
     if plan.step is not None:
         accelerator.step = plan.step
-    return LoadResult(plan.missing_keys, plan.unexpected_keys)
+    return LoadResult(plan.missing_keys, plan.unexpected_keys, plan.skipped)

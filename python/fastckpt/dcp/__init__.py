@@ -66,6 +66,7 @@ from fastckpt._io.storage.object.store import OBJECT_SCHEMES
 from fastckpt.dcp.planner import LoadPlanner, SavePlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
+from fastckpt.errors import MissingStateError
 
 __all__ = ["StorageWriter", "StorageReader", "LoadPlanner", "SavePlanner", "save", "load", "METADATA_FILE", "shard_file_name", "original_error"]
 
@@ -138,7 +139,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     when one rank's chunk is damaged (DCP's read step has no barrier between the ranks' reads).
 
     Raises:
-        HeaderError, MissingStateError, DtypeError, IntegrityError, ...: what the failing rank raised.
+        MissingStateError: ``state_dict`` keys the checkpoint does not hold (every one named, with the path),
+            on every rank, before anything is read (DCP itself raises a bare ``RuntimeError`` naming one).
+        HeaderError, DtypeError, ShapeMismatchError, IntegrityError, ...: what the failing rank raised.
     """
     check_location(path, "path", supported=OBJECT_SCHEMES)
     reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options)
@@ -151,4 +154,10 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         error = original_error(exc)
         if reader.metadata_error is not None and isinstance(error, AssertionError):
             raise reader.metadata_error from exc  # DCP turns a failed read_metadata into an AssertionError
+        if type(error) is RuntimeError and str(error).startswith("Missing key in checkpoint state_dict"):
+            # another planner than LoadPlanner: DCP's own message names one key
+            error = MissingStateError(f"{str(error).rstrip('.')} (pass planner=fastckpt.dcp.LoadPlanner() to "
+                                      "name every missing key)")
+        if isinstance(error, MissingStateError):
+            raise MissingStateError(f"{os.fspath(path)}: {error}") from exc
         raise error from exc

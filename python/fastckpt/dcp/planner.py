@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.planner import SavePlan as _SavePlan
 from torch.distributed.checkpoint.planner import SavePlanner as _DCPSavePlanner
 
 from fastckpt.dcp.gc_pause import gc_paused
-from fastckpt.errors import DtypeError
+from fastckpt.errors import DtypeError, MissingStateError, ShapeMismatchError
 
 __all__ = ["LoadPlanner", "SavePlanner"]
 
@@ -24,19 +24,39 @@ class LoadPlanner(DefaultLoadPlanner):
     rank and nothing changes anywhere (the reader's own check runs per rank, just before that rank reads).
     :func:`fastckpt.dcp.load` uses it; pass ``planner=fastckpt.dcp.LoadPlanner()`` to ``dcp.load`` for the same.
 
-    Raises (from ``create_local_plan``):
+    Raises (from ``create_local_plan``, instead of DCP's bare ``RuntimeError`` / ``ValueError``):
+        MissingStateError: state_dict keys the checkpoint does not hold (all of them named, with the stored keys
+            the state_dict lacks; ``allow_partial_load=True`` skips them instead, as in DCP).
         DtypeError: a state_dict tensor whose dtype differs from the stored one (names the key and both dtypes).
+        ShapeMismatchError: a state_dict tensor whose global shape differs from the stored one (key, both shapes).
     """
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
+        stored = self.metadata.state_dict_metadata
         for fqn, obj in self.state_dict.items():
-            md = self.metadata.state_dict_metadata.get(fqn)
+            md = stored.get(fqn)
             dtype = getattr(obj, "dtype", None)
             if isinstance(md, TensorStorageMetadata) and dtype is not None and dtype != md.properties.dtype:
                 raise DtypeError(f"{fqn!r} is stored as {md.properties.dtype}, the state_dict entry it loads into "
                                  f"is {dtype}; load into a {md.properties.dtype} template and cast it yourself")
-        return super().create_local_plan()
+            size = getattr(obj, "size", None)
+            if isinstance(md, TensorStorageMetadata) and callable(size) and tuple(size()) != tuple(md.size):
+                raise ShapeMismatchError(f"{fqn!r} is stored with shape {list(md.size)}, the state_dict entry it "
+                                         f"loads into has shape {list(size())}")
+        try:
+            return super().create_local_plan()
+        except RuntimeError as exc:
+            if not str(exc).startswith("Missing key in checkpoint state_dict"):
+                raise
+            # super() may have re-flattened the state dict the pre-2.4 way; name what it actually looked for
+            missing = sorted(k for k in self.state_dict if k not in stored)
+            extra = sorted(k for k in stored if k not in self.state_dict)
+            raise MissingStateError(
+                f"the checkpoint has no {', '.join(map(repr, missing))} ({len(missing)} state_dict key(s) not "
+                f"stored); stored keys the state_dict lacks: {extra[:20] or 'none'}; remove those keys from the "
+                "state_dict, or pass LoadPlanner(allow_partial_load=True) to leave them as they are"
+            ) from None
 
 
 def _properties(plan: _SavePlan) -> list[Any]:

@@ -18,7 +18,8 @@ param_groups, the scheduler state_dict, and the next draws of Python ``random``,
 the draws taken right after the save.
 
 Layer 5 (public). May import the public API (``fastckpt``, ``fastckpt.accelerate``) and its own modules: gpt2
-(the model), compare (bit-for-bit comparisons), files (sizes, fsync, page-cache drops).
+(the model), compare (bit-for-bit comparisons), files (sizes, fsync, page-cache drops), table (rows, the table, the
+machine's load beside it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import os
 import pathlib
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -47,9 +47,10 @@ import torch
 from fastckpt.demo.compare import draw_random, verify
 from fastckpt.demo.files import dir_bytes, drop_page_cache, fsync_tree, same_start
 from fastckpt.demo.gpt2 import GPT, PRESETS, num_parameters
+from fastckpt.demo.table import DemoRow, busy_line, format_table, load_average, make_row
 
-__all__ = ["DemoResult", "DemoRow", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree", "run_demo",
-           "same_start"]
+__all__ = ["DemoResult", "DemoRow", "busy_line", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree",
+           "run_demo", "same_start"]
 
 HELP = "train GPT-2 a few steps, checkpoint with fastckpt and accelerate, reload, verify, compare speed"
 
@@ -63,38 +64,6 @@ Method = tuple[Callable[[Objects, pathlib.Path], float], Callable[[Objects, path
 
 
 @dataclasses.dataclass
-class DemoRow:
-    """One checkpoint of the demo: how big it is, how long it took, whether it reloaded bit-exactly.
-
-    Attributes:
-        name: the row label (``fastckpt full``, ``fastckpt model_only``, ``accelerate``).
-        path: the checkpoint folder.
-        bytes_written: total size of the files in ``path``, in bytes.
-        save_s: seconds to save, including fsync (durable): the median over the rounds.
-        load_s: seconds to load into fresh objects, from a cold page cache: the median over the rounds.
-        problems: every mismatch found by the verification (of any round); empty when verified.
-        save_rounds, load_rounds: the seconds of each round.
-        save_speedup: the median over the rounds of accelerate's save seconds / this row's, in the same round
-            (NaN without an accelerate row).
-    """
-
-    name: str
-    path: pathlib.Path
-    bytes_written: int
-    save_s: float
-    load_s: float
-    problems: list[str]
-    save_rounds: list[float] = dataclasses.field(default_factory=list)
-    load_rounds: list[float] = dataclasses.field(default_factory=list)
-    save_speedup: float = math.nan
-
-    @property
-    def verified(self) -> bool:
-        """True when the reloaded state equals the saved one bit for bit."""
-        return not self.problems
-
-
-@dataclasses.dataclass
 class DemoResult:
     """What :func:`run_demo` measured. ``ok`` is False when any row failed verification."""
 
@@ -102,6 +71,7 @@ class DemoResult:
     parameters: int
     losses: list[float]
     wall_s: float
+    peak_load: float = math.nan  #: the highest 1-minute load average sampled during the rounds
 
     @property
     def ok(self) -> bool:
@@ -308,6 +278,7 @@ def run_demo(
     names = list(methods)
     timings: dict[str, tuple[list[float], list[float], list[str]]] = {n: ([], [], []) for n in names}
     try:
+        peak_load = load_average()
         for r in range(max(1, rounds)):
             for name in names[r % len(names):] + names[: r % len(names)]:  # alternate who goes first
                 saves, loads, problems = timings[name]
@@ -331,22 +302,24 @@ def run_demo(
                     problems.append(f"{stage} raised {type(exc).__name__}: {exc}")
                 saves.append(save_s)
                 loads.append(load_s)
-        rows = [_row(name, root / _folder(name), *timings[name], baseline=timings.get("accelerate", ([],))[0])
-                for name in names]
+                peak_load = max(peak_load, load_average())
+        baseline = timings.get("accelerate", ([], []))[:2]
+        rows = [make_row(name, root / _folder(name), *timings[name], baseline=baseline) for name in names]
     finally:
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    result = DemoResult(rows, params, losses, time.perf_counter() - started)
+    result = DemoResult(rows, params, losses, time.perf_counter() - started, peak_load)
     print(format_table(rows), file=out)
+    print(busy_line(peak_load), file=out)
     cache = ("a cold page cache (files read once, then posix_fadvise DONTNEED: the same start for every row)"
              if cold_cache else "the page cache")
     print("save: durable on both sides (fastckpt durable=True; accelerate save_state + fsync of each file)", file=out)
     n_rounds = max(1, rounds)
     print(f"medians of {n_rounds} round{'s' if n_rounds != 1 else ''}: each round saves and loads every checkpoint, "
           "the contenders alternating (round r starts with the r-th)", file=out)
-    print(f"save speedup: median of per-round ratios, accelerate's save s / the row's save s; load: from {cache}",
-          file=out)
+    print("save / load speedup: median of per-round ratios, accelerate's seconds / the row's seconds (above 1x: "
+          f"faster than accelerate); loads from {cache}", file=out)
     print("verified: reloaded into objects built from scratch and compared bit for bit (every weight and the tie;"
           " full rows also optimizer state + param_groups, scheduler state, next python/numpy/torch RNG draws)",
           file=out)
@@ -356,55 +329,6 @@ def run_demo(
     where = f"kept in {root}" if out_dir is not None else "removed"
     print(f"checkpoints {where}; wall time {result.wall_s:.1f} s", file=out)
     return result
-
-
-def _median(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return statistics.median(finite) if finite else math.nan
-
-
-def _row(name: str, path: pathlib.Path, saves: list[float], loads: list[float], problems: list[str], *,
-         baseline: list[float]) -> DemoRow:
-    """A table row from its rounds; the speedup is the median of per-round ratios against ``baseline``."""
-    ratios = [b / s for b, s in zip(baseline, saves) if s and not math.isnan(b) and not math.isnan(s)]
-    return DemoRow(name, path, dir_bytes(path) if path.exists() else 0, _median(saves), _median(loads), problems,
-                   saves, loads, statistics.median(ratios) if ratios else math.nan)
-
-
-def _number(value: float, spec: str) -> str:
-    return "-" if math.isnan(value) else spec.format(value)
-
-
-def format_table(rows: list[DemoRow]) -> str:
-    """The demo's table as aligned plain text: size (MB = 1e6 bytes), seconds, GB/s (1e9 bytes/s), speedup."""
-    baseline = next((row.save_s for row in rows if row.name == "accelerate" and not math.isnan(row.save_s)), None)
-
-    def speedup(row: DemoRow) -> float:
-        if not math.isnan(row.save_speedup):
-            return row.save_speedup
-        return baseline / row.save_s if baseline and row.save_s else math.nan
-    header = ["checkpoint", "MB written", "save s", "load s", "save GB/s", "load GB/s", "save speedup", "verified"]
-    lines = [header]
-    for row in rows:
-        lines.append(
-            [
-                row.name,
-                f"{row.bytes_written / 1e6:,.1f}",
-                _number(row.save_s, "{:.3f}"),
-                _number(row.load_s, "{:.3f}"),
-                _number(row.bytes_written / 1e9 / row.save_s if row.save_s else math.nan, "{:.2f}"),
-                _number(row.bytes_written / 1e9 / row.load_s if row.load_s else math.nan, "{:.2f}"),
-                _number(speedup(row), "{:.2f}x"),
-                "yes" if row.verified else "no",
-            ]
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in lines
-    ]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,9 @@ checkpoint it points to).
 Lightning itself saves no RNG state, so a resumed run would draw other dropout masks. The plugin adds process 0's
 RNG states under ``"fastckpt_rng_states"`` (every process's with the :class:`~fastckpt.lightning.RankRNGStates`
 callback) and :meth:`CheckpointIO.load_checkpoint` restores this process's (``restore_rng=True``) and takes the
-key out again; see :mod:`fastckpt.lightning.rng`. A mid-epoch resume also needs a resumable DataLoader
+key out again; see :mod:`fastckpt.lightning.rng`. A run resumed mid-epoch gets them restored once more after
+Lightning rebuilt the training loader's iterator, which draws from the global RNG (:mod:`fastckpt.lightning.resume`).
+A mid-epoch resume also needs a resumable DataLoader
 (``torchdata``'s ``StatefulDataLoader`` with a stateful sampler), whose position Lightning saves in ``loops``; the
 README's Lightning section gives the recipe for an exact resume and the cases stock Lightning cannot resume exactly.
 """
@@ -32,6 +34,7 @@ from fastckpt._io.async_save.writer import finish_pending, wait_for_saves_to
 from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session
 from fastckpt._io.storage.local.numbering import remove_checkpoint_dir
 from fastckpt.errors import UnsafePickleError
+from fastckpt.lightning.resume import attach_to_loading_trainer
 from fastckpt.lightning.rng import RNG_KEY, collect_rng_states, restore_rng_states
 from fastckpt.plain import load, save
 
@@ -141,6 +144,8 @@ class CheckpointIO(_LightningCheckpointIO):
         rng = checkpoint.pop(RNG_KEY, None) if isinstance(checkpoint, dict) else None
         if rng is not None and self.restore_rng:
             restore_rng_states(rng)
+            # again once a mid-epoch resume rebuilt the training loader's iterator (which draws a base seed)
+            attach_to_loading_trainer(rng, checkpoint.get("epoch"))
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:

@@ -16,7 +16,10 @@ Trainer method                     here
 ``_load_rng_state``                this process's ``random_states_{rank}.safetensors``, when Trainer asks
 ``_load_best_model``               the weights of ``state.best_model_checkpoint``
 ``_save`` (``save_model``)         as Trainer's, with ``training_args.json`` instead of ``training_args.bin``
-``train``                          ``resume_from_checkpoint=True``: the latest *finished* checkpoint
+``train``                          ``resume_from_checkpoint=True``: the latest *finished* checkpoint;
+                                   a preemption signal saves the step reached and exits (code 0)
+``_maybe_log_save_evaluate``       the step boundary where a preemption save happens
+                                   (:mod:`fastckpt.transformers.preemption`)
 =================================  ===================================================================
 
 A folder without ``fastckpt.json`` is read as the stock Trainer wrote it (:mod:`fastckpt.transformers.stock`).
@@ -44,7 +47,8 @@ from fastckpt._io.storage.local.folder import open_safetensors
 from fastckpt._io.storage.local.layout import random_states_name
 from fastckpt._io.storage.local.numbering import saved_mode
 from fastckpt._state.rng import RngRestoreWarning, read_rng_state
-from fastckpt.transformers import folders, stock
+from fastckpt.errors import ResumeWarning
+from fastckpt.transformers import folders, preemption, stock
 
 __all__ = ["CheckpointMixin"]
 
@@ -101,13 +105,17 @@ class CheckpointMixin:
             An async checkpoint is committed (and rotated) before the next save starts, before the best model is
             loaded at the end and before ``train()`` returns; a failed write raises there.
         fastckpt_timeout: seconds a process waits for the others at any step of a multi-process save or load.
+        fastckpt_preemption_signals: signals that, during ``train()``, save ``checkpoint-{global_step}`` of the
+            step reached (durably, at the next optimizer-step boundary) and end the process with
+            :class:`fastckpt.Preempted` (exit code 0); default ``(SIGTERM, SIGUSR1)``; None or ``()``: none
+            (see :mod:`fastckpt.transformers.preemption`).
 
     Raises:
         TypeError: (at class definition) the mixin comes after the Trainer class in the bases (its methods would
             never run).
         NotImplementedError: DeepSpeed, FSDP, tensor-parallel, SageMaker MP or XLA training (their engines keep
             their own files).
-        ValueError: a bad ``fastckpt_async_save`` or ``fastckpt_timeout``.
+        ValueError: a bad ``fastckpt_async_save``, ``fastckpt_timeout`` or ``fastckpt_preemption_signals``.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -120,12 +128,16 @@ class CheckpointMixin:
                             "(class MyTrainer(CheckpointMixin, SFTTrainer)), or Trainer's own checkpoint methods win")
 
     def __init__(self, *args: Any, fastckpt_async_save: bool | str = False,
-                 fastckpt_timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> None:
+                 fastckpt_timeout: float = DEFAULT_TIMEOUT,
+                 fastckpt_preemption_signals: Any = preemption.DEFAULT_SIGNALS, **kwargs: Any) -> None:
         if fastckpt_async_save not in _ASYNC_MODES:
             raise ValueError(f"fastckpt_async_save must be False, True or 'snapshot', got {fastckpt_async_save!r}")
         self.fastckpt_async_save = fastckpt_async_save
         self.fastckpt_timeout = check_timeout(fastckpt_timeout)
         self._fastckpt_pending: Any = None
+        self.fastckpt_preemption_signals = preemption.check_signals(fastckpt_preemption_signals)
+        self._fastckpt_preemption: Any = None  # the manager recording the signals during train()
+        self._fastckpt_saved_step: int | None = None
         super().__init__(*args, **kwargs)
         self._fastckpt_check_supported()
 
@@ -191,6 +203,7 @@ class CheckpointMixin:
         def rotate(folder: Path) -> None:  # on the main process, once the checkpoint is committed
             folders.rotate(run_dir, limit, best_dir)
 
+        self._fastckpt_saved_step = self.state.global_step
         result = fastckpt.accelerate.save_with_files(
             _TrainerObjects(self), output_dir, files=self._fastckpt_files(), after_commit=rotate, every_process=True,
             model_only=bool(self.args.save_only_model), timeout=self.fastckpt_timeout,
@@ -200,6 +213,20 @@ class CheckpointMixin:
         if self.args.push_to_hub:
             self._fastckpt_wait()
             self._push_from_checkpoint(output_dir)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """Trainer's step-boundary hook; after a preemption signal (agreed on this step by every process) it also
+        saves ``checkpoint-{global_step}``, waits until it is committed and raises :class:`fastckpt.Preempted`."""
+        mgr, step = self._fastckpt_preemption, self.state.global_step
+        due = mgr is not None and mgr.preemption_due(step)
+        if due:
+            self.control.should_save = True  # Trainer's own save path: logging, evaluation, on_save, rotation
+        super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
+        if due:
+            if self._fastckpt_saved_step != step:  # SaveStrategy.BEST turned the save off
+                self._save_checkpoint(self.model, None)
+            self._fastckpt_wait()
+            mgr.exit_preempted(step, os.path.join(self.args.output_dir, f"{folders.PREFIX}-{step}"))
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """``Trainer._save`` (``save_model``: the weights through ``save_pretrained``, the processing class), with
@@ -236,6 +263,17 @@ class CheckpointMixin:
             stock.load_optimizer_and_scheduler(folder, self.optimizer, self.lr_scheduler)
             return
         if saved_mode(folder) == "model_only":  # save_only_model: as Trainer, optimizer and scheduler start fresh
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrappers
+            scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+            fresh = [f"the optimizer ({type(optimizer).__name__}: no moments, no step counts)"]
+            if scheduler is not None:
+                fresh.append(f"the learning-rate scheduler ({type(scheduler).__name__}: back to its first step's "
+                             "learning rate)")
+            fresh.append("the RNG states (dropout, data order)")
+            warnings.warn(f"{folder}: saved with save_only_model=True (weights and trainer_state.json only): resuming "
+                          f"from it restores the weights and the step count, and starts {', '.join(fresh[:-1])} and {fresh[-1]} afresh, "
+                          "so training from here differs from an uninterrupted run; resume from a checkpoint saved "
+                          "without save_only_model for an exact resume", ResumeWarning, stacklevel=2)
             return
         kept = _rng_states()  # Trainer restores the RNG states later (_load_rng_state), after skipping batches
         try:
@@ -283,15 +321,25 @@ class CheckpointMixin:
         """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the latest finished ``checkpoint-N`` in
         ``output_dir`` (a fastckpt checkpoint or a complete stock one; an unfinished save is never picked).
 
+        A preemption signal (``fastckpt_preemption_signals``) during the run saves ``checkpoint-{global_step}`` of
+        the step reached and raises :class:`fastckpt.Preempted` (exit code 0): nothing after that step is written.
+
         Raises:
             ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no finished checkpoint.
+            Preempted: a preemption signal arrived; its step is committed (a ``SystemExit``).
         """
         if resume_from_checkpoint is True:
             latest = folders.latest_checkpoint(self.args.output_dir)
             if latest is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             resume_from_checkpoint = str(latest)
+        self._fastckpt_preemption = preemption.start(self, self.fastckpt_preemption_signals)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
-            self._fastckpt_wait()
+            mgr, self._fastckpt_preemption = self._fastckpt_preemption, None
+            try:
+                self._fastckpt_wait()
+            finally:
+                if mgr is not None:
+                    mgr.close()  # the previous signal handlers are back

@@ -1,13 +1,18 @@
 //! `ObjectStore`: one bucket of an S3 API store (`fastckpt-store`). Arguments are converted with the GIL held;
 //! every request runs with it released. Errors: a missing object is `FileNotFoundError`, a conditional create
 //! that lost `FileExistsError`, bytes of another size `fastckpt.errors.IntegrityError`, a bad setting
-//! `ValueError`, everything else (after the bounded retries) `OSError`; each message names the object's URL.
+//! `ValueError`, refused credentials `PermissionError`, a missing bucket `FileNotFoundError`, an unreachable
+//! endpoint `ConnectionError` (each saying what to fix), everything else (after the bounded retries) `OSError`;
+//! each message names the object's URL.
 
 use std::path::PathBuf;
 
 use fastckpt_core::{FileLayout, TensorSource};
 use fastckpt_store::{Store, StoreError};
-use pyo3::exceptions::{PyFileExistsError, PyFileNotFoundError, PyOSError, PyValueError};
+use pyo3::exceptions::{
+    PyConnectionError, PyFileExistsError, PyFileNotFoundError, PyOSError, PyPermissionError,
+    PyValueError,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -21,6 +26,9 @@ fn to_py(err: StoreError) -> PyErr {
         StoreError::NotFound { .. } => PyFileNotFoundError::new_err(message),
         StoreError::AlreadyExists { .. } => PyFileExistsError::new_err(message),
         StoreError::Integrity { .. } => integrity_error(message),
+        StoreError::Denied { .. } => PyPermissionError::new_err(message),
+        StoreError::NoBucket { .. } => PyFileNotFoundError::new_err(message),
+        StoreError::Unreachable { .. } => PyConnectionError::new_err(message),
         StoreError::Io { .. } | StoreError::Store { .. } => PyOSError::new_err(message),
     }
 }

@@ -66,6 +66,9 @@ impl Store {
     }
 
     fn fail(&self, key: &str, source: object_store::Error) -> StoreError {
+        if let Some(known) = error::classify(&self.url(key), &self.bucket, &source) {
+            return known; // a missing bucket answers 404 too: not "no such object"
+        }
         match source {
             object_store::Error::NotFound { .. } => StoreError::NotFound { url: self.url(key) },
             object_store::Error::AlreadyExists { .. }
@@ -89,7 +92,12 @@ impl Store {
                     .await
                     .map(|b| Some(b.to_vec()))
                     .map_err(|e| self.fail(key, e)),
-                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e @ object_store::Error::NotFound { .. }) => {
+                    match error::classify(&self.url(key), &self.bucket, &e) {
+                        Some(no_bucket) => Err(no_bucket), // a 404 for the bucket, not for the object
+                        None => Ok(None),
+                    }
+                }
                 Err(e) => Err(self.fail(key, e)),
             }
         })

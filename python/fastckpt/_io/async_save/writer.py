@@ -12,7 +12,8 @@ training goes on updating the parameters in place, and a crash mid-write leaves 
   call (async or not), once.
 - A synchronous save first waits for the async saves in flight, so saves are committed in call order.
 - Automatic names (``output_dir=None``) skip the numbers that saves still in flight will commit.
-- The writer thread is not a daemon: the interpreter waits for saves in flight before it exits.
+- The writer thread is not a daemon: the interpreter waits for saves in flight before it exits, and a failure
+  nothing raised is then reported on stderr and in the exit status (:mod:`fastckpt._io.async_save.exit_report`).
 
 A synchronous save of CUDA tensors uses the same machinery with the caller waiting (``blocking=True``): the
 device-to-host copies of later chunks then overlap the writing of earlier ones (see :func:`submit`).
@@ -24,12 +25,14 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from fastckpt._io.async_save.cancel import CancelToken, arm_second_interrupt
+from fastckpt._io.async_save.exit_report import watch
 from fastckpt._io.async_save.host_pool import HostBufferPool
+from fastckpt._io.async_save.outcome import Outcome
 from fastckpt._io.async_save.snapshot import Snapshot, snapshot_plan
 from fastckpt._io.files import SavePlan
 
@@ -51,7 +54,7 @@ class AsyncSave:
         pool_allocations: allocations of that buffer so far (stays 1 while the state does not grow).
     """
 
-    def __init__(self, path: Path | str, future: Future, snapshot: Snapshot | None, blocking_seconds: float, *,
+    def __init__(self, path: Path | str, outcome: Outcome, snapshot: Snapshot | None, blocking_seconds: float, *,
                  stream: Any = None, token: CancelToken | None = None) -> None:
         self.path = path
         self._token = token
@@ -60,7 +63,7 @@ class AsyncSave:
         self._snapshot_slot = snapshot.slot if snapshot is not None else None
         self._stream = stream
         self.pool_allocations = snapshot.slot.allocations if snapshot is not None else 0
-        self._future = future
+        self._outcome = outcome
         self._reported = False
 
     @property
@@ -73,7 +76,7 @@ class AsyncSave:
 
     def done(self) -> bool:
         """True once the save is committed or has failed (never blocks)."""
-        return self._future.done()
+        return self._outcome.done()
 
     def wait(self, timeout: float | None = None) -> Path | str:
         """Block until the checkpoint is committed (durable when saved with ``durable=True``).
@@ -94,15 +97,15 @@ class AsyncSave:
                 previous checkpoint at ``path`` is then intact.
         """
         try:
-            return self._future.result(timeout)
+            return self._outcome.result(timeout)
         except KeyboardInterrupt as exc:
-            if not self._future.done() and self._token is not None:
+            if not self._outcome.done() and self._token is not None:
                 exc.add_note(arm_second_interrupt(self))
             raise
         except BaseException as exc:
-            if self._future.done():
+            if self._outcome.done():
                 self._reported = True
-            if isinstance(exc, TimeoutError) and not self._future.done():
+            if isinstance(exc, TimeoutError) and not self._outcome.done():
                 raise TimeoutError(f"async save to {self.path} not finished within {timeout} s") from None
             raise
 
@@ -121,7 +124,7 @@ class AsyncSave:
 
     def exception(self) -> BaseException | None:
         """The background write's exception once it failed; None while running or after success."""
-        return self._future.exception() if self._future.done() else None
+        return self._outcome.error if self._outcome.done() else None
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self.exception() else "committed")
@@ -158,15 +161,21 @@ class AsyncSaver:
         exc.add_note(f"(raised by the earlier async save to {failed.path}, reported at the next save)")
         raise exc
 
+    def unreported(self) -> list[tuple[str, BaseException]]:
+        """``[(what, exception)]`` of the finished saves whose failure nothing raised yet, marked reported (for the
+        report at exit, :mod:`fastckpt._io.async_save.exit_report`)."""
+        with self._lock:
+            failed = [h for h in self._pending if h.done() and not h._reported and h.exception() is not None]
+            for h in failed:
+                h._reported = True
+        return [(f"the async save to {h.path}", h._outcome.error) for h in failed]  # type: ignore[misc]
+
     def wait_all(self) -> None:
         """Wait for every save in flight, then re-raise the first unreported failure."""
         with self._lock:
             pending = list(self._pending)
         for h in pending:
-            try:
-                h._future.result()
-            except BaseException:  # reported by raise_failed below
-                pass
+            h._outcome.wait()  # a failure is reported by raise_failed below
         self.raise_failed()
 
     def reserve(self, target: Path) -> Path:
@@ -185,8 +194,9 @@ class AsyncSaver:
         """Run ``run()`` on the writer thread for a save prepared by the caller (a streaming save,
         :mod:`fastckpt._io.async_save.stream`, which checks ``token`` before its commit); returns its handle."""
         self._cancel_idle()
-        future = self._executor.submit(self._then_idle(run))
-        handle = AsyncSave(target, future, None, blocking_seconds, stream=stream, token=token)
+        outcome = Outcome()
+        self._executor.submit(self._then_idle(run, outcome))
+        handle = AsyncSave(target, outcome, None, blocking_seconds, stream=stream, token=token)
         with self._lock:
             self._pending.append(handle)
         return handle
@@ -202,12 +212,20 @@ class AsyncSaver:
         """Free the host buffers of every idle pool slot; returns the bytes freed."""
         return self.pool.release_buffers()
 
-    def _then_idle(self, run: Callable[[], Path]) -> Callable[[], Path]:
-        def wrapped() -> Path:
+    def _then_idle(self, run: Callable[[], Path], outcome: Outcome) -> Callable[[], None]:
+        """``run()`` on the writer thread, its result or exception into ``outcome`` (never the executor's future,
+        which the caller must not wait on: see :mod:`fastckpt._io.async_save.outcome`)."""
+        def wrapped() -> None:
+            value: Any = None
+            error: BaseException | None = None
             try:
-                return run()
-            finally:
+                value = run()
+            except BaseException as exc:
+                error = exc
+            try:
                 self._arm_idle()
+            finally:
+                outcome.finish(value, error)
         return wrapped
 
     def _arm_idle(self) -> None:
@@ -274,12 +292,13 @@ class AsyncSaver:
                 self.pool.release(snapshot.slot)
 
         self._cancel_idle()
+        outcome = Outcome()
         try:
-            future = self._executor.submit(self._then_idle(run))
+            self._executor.submit(self._then_idle(run, outcome))
         except BaseException:
             self.pool.release(snapshot.slot)
             raise
-        handle = AsyncSave(target, future, snapshot, blocked, token=token)
+        handle = AsyncSave(target, outcome, snapshot, blocked, token=token)
         with self._lock:
             self._pending.append(handle)
         return handle
@@ -297,6 +316,7 @@ def default_saver() -> AsyncSaver:
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
             _DEFAULT = AsyncSaver()
+            watch(_DEFAULT.unreported)  # a failure nobody waited on is reported at exit
         return _DEFAULT
 
 

@@ -55,6 +55,12 @@ def find_dcp_folder(src: Path) -> Path:
     if len(found) == 1:
         return found[0]
     if not found:
+        model_files = [n for n in ("model.safetensors", "model.safetensors.index.json") if (src / n).is_file()]
+        if model_files:  # e.g. an FSDP2 model_only save: written consolidated already
+            raise MissingStateError(
+                f"{src}: already a model folder ({model_files[0]}), not a DCP checkpoint: there is nothing to "
+                f"consolidate (from_pretrained and load_state read it as it is); to reshard it, run "
+                f"`fastckpt convert {src} OUT --to hf-model --max-shard-size 5GB`")
         raise MissingStateError(f"{src}: no {METADATA_FILE} in it or in a subfolder; not a fastckpt DCP checkpoint")
     raise MissingStateError(f"{src}: several DCP folders ({', '.join(p.name for p in found)}); name the model's")
 

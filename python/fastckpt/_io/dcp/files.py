@@ -13,6 +13,7 @@ from fastckpt import _core
 from fastckpt._format.dcp_boxes import box_runs
 from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata, parse_metadata
 from fastckpt._format.dtypes import F4
+from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
 from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 
@@ -71,9 +72,10 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata, *, records: dict[str,
         records = read_manifest(folder).get("files", {}) if (folder / MANIFEST).is_file() else {}
     for name, info in records.items():
         if name != METADATA_FILE and name in {loc.file for loc in chunks.values()}:
-            size = (folder / name).stat().st_size
-            if isinstance(info, dict) and info.get("bytes") != size:
-                raise IntegrityError(f"{folder / name}: {size} bytes on disk, {info.get('bytes')} recorded in {MANIFEST}")
+            problem = recorded_size_problem(folder / name, info.get("bytes") if isinstance(info, dict) else info,
+                                            MANIFEST)
+            if isinstance(info, dict) and problem is not None:
+                raise IntegrityError(problem)
     files: dict[str, Any] = {}
     for (fqn, _offsets), loc in chunks.items():
         if loc.file not in files:

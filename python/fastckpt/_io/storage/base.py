@@ -14,7 +14,9 @@ verb                        meaning
 ``StagedSave.abort()``      drop a staged save (idempotent; a dead process's staging is removed by the next save)
 ``Storage.list()``          the committed checkpoints, oldest first (``checkpoint_{n}`` numbering, with the step)
 ``Storage.open(ref)``       a pinned, validated view: every file of one load comes from the same committed save
+``Storage.open_shared()``   the same for a sharded load by a process group: every process reads the same save
 ``Storage.remove(ref)``     remove one committed checkpoint (it stops counting at once; never half-removed)
+``Storage.rotate(n)``       remove the oldest committed checkpoints of one kind so that ``n`` remain
 ==========================  ==========================================================================================
 
 Conventions (what the conformance suite, ``tests/io/test_storage_conformance.py``, checks of every backend): a save
@@ -61,14 +63,20 @@ class CheckpointView:
         location: the committed checkpoint's name for users (path or URL).
         folder: a local path every file of the load is opened through (the pinned folder itself, a
             ``/proc/self/fd`` path, or the in-memory copy of fetched objects).
-        manifest: the parsed ``fastckpt.json``, read once; lower layers take it from here instead of re-reading.
+        path: the same folder unpinned (for readers that open files their own way: DCP's), as ``Path``.
+        manifest: the parsed ``fastckpt.json`` when the backend read it to open the view (an object store's
+            committed manifest), else None: the load plan reads it once through ``folder``.
         tier: which storage tier it came from (``"memory"``, ``"peer"``, ``"local"``, ``"remote"``).
     """
 
     location: str
     folder: Path
-    manifest: Mapping[str, Any]
+    path: Path
+    manifest: Mapping[str, Any] | None = None
     tier: str = "local"
+    #: the reads through ``folder`` were already checked against the manifest's crc32c when it was opened (an
+    #: object store's fetch): the loader need not sum them again
+    checked: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -78,10 +86,12 @@ class StagedSave(Protocol):
 
     location: str
 
-    def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> dict[str, int]:
+    def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> None:
         """Write every file of ``plan`` (a :class:`fastckpt._io.files.SavePlan`) from tensor memory, the checksums
-        summed on the way; returns ``{file name: bytes}``. ``options``: backend-specific (``ready``, ``progress``,
-        ``before_commit``). Raises OSError (names the file) and leaves nothing committed."""
+        summed on the way. ``options``: backend-specific (``ready``, ``progress``, ``before_commit``). Raises
+        OSError (names the file) and leaves nothing committed. A backend whose commit is one crash-safe call over
+        the written bytes (the local rename of a staging folder, the object store's manifest-last upload) may take
+        the plan here and write it in :meth:`commit`: what readers see is the same."""
         ...
 
     def commit(self) -> Committed:
@@ -110,14 +120,29 @@ class Storage(Protocol):
         """The committed checkpoints of one kind, oldest (lowest number) first."""
         ...
 
-    def open(self, ref: Committed | None = None, *, verify: bool = True,
+    def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
              threads: int = 0) -> contextlib.AbstractContextManager[CheckpointView]:
-        """A pinned view of ``ref`` (None: the newest full checkpoint) for one load. ``verify``: every byte read
-        through it is checked against the manifest's crc32c (IntegrityError names file and tensor)."""
+        """A view of ``ref`` for one load (None: the storage's own checkpoint when it names one, else its newest
+        full checkpoint, or of either kind with ``model_only``). ``verify``: every byte read through it is checked
+        against the manifest's crc32c (IntegrityError names file and tensor). Raises MissingStateError when there
+        is nothing committed to open."""
+        ...
+
+    def open_shared(self, *, model_only: bool = False, timeout: float,
+                    what: str) -> contextlib.AbstractContextManager[CheckpointView]:
+        """A view every process of a group reads one sharded load from (each reads the shards its boxes come from):
+        the same committed save on every process, or a typed error on every process within ``timeout`` seconds.
+        ``what`` names the call in those errors (``"load_state"``). ``extra["remote"]``, when set, fetches parts
+        lazily."""
         ...
 
     def remove(self, ref: Committed) -> None:
         """Remove one committed checkpoint; it stops being listed at once and is never left half-removed."""
+        ...
+
+    def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
+        """Remove the oldest committed checkpoints of one kind so that ``total_limit`` remain (as :meth:`remove`
+        does); returns their locations."""
         ...
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from fastckpt import _core
 from fastckpt._io.location import check_location
+from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._io.storage.local.layout import MANIFEST, count_problems, listed_files, read_manifest, unlisted_files
 from fastckpt.errors import IntegrityError
 
@@ -151,16 +152,17 @@ def check_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, only: 
             continue
         path = folder / name
         try:
-            actual = path.stat().st_size
+            problem = recorded_size_problem(path, info["bytes"], MANIFEST)
         except FileNotFoundError:
             problem = f"{path}: listed in {MANIFEST} ({info['bytes']} bytes) but missing"
             report.files[name] = problem
             report.problems.append(problem)
             continue
-        if actual != info["bytes"]:
-            problem = f"{path}: {actual} bytes on disk, {info['bytes']} recorded in {MANIFEST}"
+        if problem is not None:
             report.files[name] = problem
             report.problems.append(problem)
+            if not path.is_file():
+                continue  # a folder (or pipe, ...) in its place: nothing to sum
         present.append(name)
     if progress is None:
         sums = _core.checksum_files([os.fspath(folder / n) for n in present], threads=threads)

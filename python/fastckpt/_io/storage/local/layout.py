@@ -45,6 +45,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._version import __version__
 from fastckpt.errors import CheckpointChangedError, HeaderError, IntegrityError, MissingStateError
 
@@ -221,11 +222,11 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
                 continue
             file = folder / name
             try:
-                actual = file.stat().st_size
+                problem = recorded_size_problem(file, info["bytes"], MANIFEST)
             except FileNotFoundError:
                 raise IntegrityError(f"{file}: listed in {MANIFEST} ({info['bytes']} bytes) but missing") from None
-            if actual != info["bytes"]:
-                raise IntegrityError(f"{file}: {actual} bytes on disk, {info['bytes']} recorded in {MANIFEST}")
+            if problem is not None:
+                raise IntegrityError(problem)
     return manifest
 
 

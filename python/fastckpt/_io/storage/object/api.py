@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from fastckpt._io.files import SavePlan
 from fastckpt._io.storage.object.commit import committed_manifest, save_object_checkpoint, save_plan_objects
-from fastckpt._io.storage.object.fetch import RemoteCheckpoint, fetched_checkpoint
+from fastckpt._io.storage.object.fetch import RemoteCheckpoint, as_fetched, fetched_checkpoint
 from fastckpt._io.storage.object.project import (
     latest_object_checkpoint,
     next_object_checkpoint,
@@ -113,12 +113,12 @@ def named_as(local: Path, url: str) -> Iterator[None]:
         try:
             yield
         except Exception as exc:
-            exc.args = tuple(a.replace(where, url) if isinstance(a, str) else a for a in exc.args)
+            exc.args = tuple(as_fetched(a, where, url) if isinstance(a, str) else a for a in exc.args)
             raise
         finally:
             pending = list(caught)
     for w in pending:
-        warnings.warn_explicit(str(w.message).replace(where, url), w.category, w.filename, w.lineno)
+        warnings.warn_explicit(as_fetched(str(w.message), where, url), w.category, w.filename, w.lineno)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from fastckpt._io.storage.object.commit import MANIFESTS, RETRIES, committed_man
 from fastckpt._io.storage.object.store import ObjectUrl
 from fastckpt.errors import CheckpointChangedError, IntegrityError, MissingStateError
 
-__all__ = ["memory_available", "fetched_checkpoint", "RemoteCheckpoint"]
+__all__ = ["memory_available", "fetched_checkpoint", "RemoteCheckpoint", "as_fetched"]
 
 
 def memory_available() -> int | None:
@@ -279,10 +279,18 @@ class RemoteCheckpoint:
         self._space.close()
 
 
+def as_fetched(text: str, local: str, url: str) -> str:
+    """A message about the fetched copy at ``local``, made about ``url``: the copy's path becomes the URL and "on
+    disk" (the copy's bytes came from the store) becomes "in the store"; text that names no ``local`` is kept."""
+    if local not in text:
+        return text
+    return text.replace(local, url).replace(" on disk", " in the store")
+
+
 def _raise_damaged(store: Any, base: str, folder: Path, bad: list[str], objects: dict[str, Any],
                    crcs: dict[str, int]) -> None:
     report = check_checkpoint(folder, only=bad)
     lines = [f"{store.url(f'{base}/{n}')}: crc32c {crc_hex(crcs[n])} read, {objects[n]['crc32c']} recorded"
              for n in bad]
-    detail = report.message().replace(f"{folder}/", store.url(base) + "/").replace(str(folder), store.url(base))
+    detail = as_fetched(report.message(), str(folder), store.url(base))
     raise IntegrityError("; ".join(lines) + (f" ({detail})" if not report.ok else ""))

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fastckpt._io.async_save.exit_report import watch
+from fastckpt._io.async_save.outcome import Outcome
 from fastckpt._io.async_save.writer import AsyncSave
 from fastckpt._io.storage.local.numbering import keep_from_rotation, release_from_rotation
 from fastckpt._io.storage.object.commit import upload_folder
@@ -44,7 +46,7 @@ class TieredSave:
         self.remote = remote
         self.local_save = local if isinstance(local, AsyncSave) else None
         self._local_path = local if isinstance(local, Path) else None
-        self._finished = threading.Event()
+        self._finished = Outcome()  # waited on with no lock the uploader needs (a Ctrl-C in wait() is harmless)
         self._error: BaseException | None = None
         self._reported = False
 
@@ -67,7 +69,7 @@ class TieredSave:
 
     def done(self) -> bool:
         """True once the remote commit is made or the save failed (never blocks)."""
-        return self._finished.is_set()
+        return self._finished.done()
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the checkpoint is committed at :attr:`remote`; returns that URL.
@@ -91,7 +93,7 @@ class TieredSave:
 
     def exception(self) -> BaseException | None:
         """The error of the local save or the upload once failed; None while running or after success."""
-        return self._error if self._finished.is_set() else None
+        return self._error if self._finished.done() else None
 
     def _run(self, url: ObjectUrl, project: ObjectUrl | None, total_limit: int | None, model_only: bool,
              storage_options: Mapping[str, Any] | None) -> None:
@@ -104,8 +106,20 @@ class TieredSave:
         except BaseException as exc:
             self._error = exc
         finally:
-            release_from_rotation(self.local)
-            self._finished.set()
+            try:
+                release_from_rotation(self.local)
+            finally:
+                self._finished.finish()
+
+
+def _unreported() -> list[tuple[str, BaseException]]:
+    """The finished uploads whose failure nothing raised yet, marked reported (:mod:`fastckpt._io.async_save.exit_report`)."""
+    with _lock:
+        pending = list(_pending)
+    failed = [h for h in pending if h.done() and h._error is not None and not h._reported]
+    for h in failed:
+        h._reported = True
+    return [(f"the tiered save to {h.remote}", h._error) for h in failed]  # type: ignore[misc]
 
 
 def finish_tiered() -> None:
@@ -143,5 +157,6 @@ def start_tiered(local: Path | AsyncSave, remote: ObjectUrl, *, project_root: Pa
     keep_from_rotation(path)  # until the upload ends, a plain save's rotation leaves this folder
     with _lock:
         _pending.append(handle)
+    watch(_unreported)  # an upload that fails and nobody waits on is reported at exit
     thread.start()
     return handle

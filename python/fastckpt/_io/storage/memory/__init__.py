@@ -1,0 +1,247 @@
+"""The memory tier: the newest checkpoint of this process in host memory (a folder under ``/dev/shm``, or any
+folder the user names), laid out as a project (``{root}/checkpoints/checkpoint_{step}``) so that every reader of
+fastckpt reads it, and committed with the same manifest-last rule as a durable save, only without fsyncs.
+
+A :class:`MemoryTier` is a :class:`~fastckpt._io.storage.base.Storage`: :meth:`MemoryTier.begin` opens a staging
+folder owned by this process (a locked ``.checkpoint_{n}.fastckpt-staging-...`` name, removed by the next save if
+the process died), :meth:`MemorySave.write` writes the plan into it from tensor memory (the Rust writer, in
+parallel, crc32c summed on the way, the manifest last), :meth:`MemorySave.commit` puts it in place in one rename.
+Because tmpfs lives as long as the machine, a trainer killed by SIGKILL, the OOM killer or a segfault restarts from
+RAM; the folder dies with the machine (that is what :mod:`fastckpt._io.storage.peer` replicas are for).
+
+May import: layers 0-2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _core
+from fastckpt._io.storage.base import CheckpointView, Committed
+from fastckpt._io.storage.local.commit import fsync_dir, write_files
+from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, read_manifest
+from fastckpt._io.storage.local.numbering import checkpoint_numbers, remove_folders
+from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
+
+__all__ = ["MemorySave", "MemoryTier", "copy_committed", "default_memory_root", "job_id"]
+
+_JOB_ENV = ("FASTCKPT_JOB_ID",)
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def job_id(project_dir: Path) -> str:
+    """A name for this job that a restarted process on the same machine computes again: ``FASTCKPT_JOB_ID``, else
+    the project folder's name plus the crc32c of its absolute path (a scheduler's job id or torchrun's run id
+    changes across a requeue or a new launch; the project does not)."""
+    for key in _JOB_ENV:
+        value = os.environ.get(key)
+        if value and value != "none":
+            return _SAFE.sub("_", value)[:64]
+    path = str(Path(project_dir).absolute())
+    return f"{_SAFE.sub('_', Path(path).name)[:32]}-{_core.crc32c(path.encode()):08x}"
+
+
+def default_memory_root(project_dir: Path, rank: int) -> Path:
+    """``/dev/shm/fastckpt-{job id}/rank{rank}`` (the system's temporary folder where ``/dev/shm`` is missing)."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"fastckpt-{job_id(project_dir)}" / f"rank{rank}"
+
+
+class MemorySave:
+    """A save opened by :meth:`MemoryTier.begin`: a staging folder, invisible until :meth:`commit`."""
+
+    def __init__(self, tier: MemoryTier, step: int) -> None:
+        self.tier = tier
+        self.step = step
+        self.target = tier.folder / f"checkpoint_{step}"
+        self.location = str(self.target)
+        tier.folder.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(tier.folder)
+        self._owner: OwnedPath | None = OwnedPath(tier.folder, self.target.name)
+        self._owner.path.mkdir()
+        self.files: dict[str, int] = {}
+
+    @property
+    def staging(self) -> Path:
+        """The staging folder the files go to (before :meth:`commit`)."""
+        assert self._owner is not None, "the save was committed or aborted"
+        return self._owner.path
+
+    def write(self, plan: Any, *, durable: bool | None = None, threads: int = 0, **options: Any) -> dict[str, int]:
+        """Write every file of ``plan`` (a :class:`fastckpt._io.files.SavePlan`) into the staging folder, the
+        manifest last; ``options``: ``ready``, ``progress``, ``before_commit`` (see
+        :func:`fastckpt._io.storage.local.commit.write_checkpoint`). Returns ``{file name: bytes}``."""
+        durable = self.tier.durable if durable is None else durable
+        self.files = write_files(plan, self.staging, save_id=secrets.token_hex(8), durable=durable, threads=threads,
+                                 ready=options.get("ready"), file_mode=None, progress=options.get("progress"),
+                                 before_commit=options.get("before_commit"))
+        return self.files
+
+    def copy_from(self, folder: Path) -> dict[str, int]:
+        """Fill the staging folder with a copy of the committed checkpoint ``folder`` (its manifest last)."""
+        self.files = copy_files(folder, self.staging, durable=self.tier.durable)
+        return self.files
+
+    def commit(self) -> Committed:
+        """Put the staging folder in place as ``checkpoint_{step}`` in one rename (over an older folder of the same
+        step, which goes), then remove the tier's older checkpoints that nobody holds (:meth:`MemoryTier.hold`).
+
+        Raises:
+            OSError: the rename failed; the previous checkpoint is intact.
+        """
+        if not (self.staging / MANIFEST).is_file():
+            raise FileNotFoundError(f"{self.staging}: nothing was written (no {MANIFEST}); nothing committed")
+        _core.commit_dir(str(self.staging), str(self.target), durable=self.tier.durable)
+        assert self._owner is not None
+        self._owner.release()
+        self._owner = None
+        self.tier.prune(keep=self.step)
+        return Committed(self.location, self.step, self.step)
+
+    def abort(self) -> None:
+        """Drop the staging folder (idempotent)."""
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
+
+
+class MemoryTier:
+    """A folder holding the newest committed checkpoint of one process (see the module docs).
+
+    Args:
+        root: the tier's folder (created on the first save); checkpoints go to ``{root}/checkpoints``.
+        tier: the name restores and warnings give it (``"memory"``; ``"peer"`` for a replica of another rank's).
+        durable: fsync what is written (False for tmpfs, where it costs nothing and buys nothing).
+        keep: committed checkpoints kept (the newest; older ones go once a newer one is committed).
+    """
+
+    def __init__(self, root: Path, *, tier: str = "memory", durable: bool = False, keep: int = 1) -> None:
+        self.root = Path(root)
+        self.folder = self.root / CHECKPOINTS_DIR
+        self.location = str(self.root)
+        self.tier = tier
+        self.durable = durable
+        self.keep = keep
+        self._held: dict[int, int] = {}
+        self._lock = threading.Lock()  # hold / release / prune from the manager's threads
+
+    def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> MemorySave:
+        """Open a staged save of ``step`` (committed as ``checkpoint_{step}``); ``name`` must be None."""
+        if name is not None or model_only:
+            raise ValueError("the memory tier holds full checkpoints named by step: pass step=, not name/model_only")
+        return MemorySave(self, step)
+
+    def list(self, *, model_only: bool = False) -> list[Committed]:
+        """The committed checkpoints, oldest first (number = step)."""
+        if model_only:
+            return []
+        return [Committed(str(f), n, n) for n, f in sorted(checkpoint_numbers(self.root).items())]
+
+    @contextlib.contextmanager
+    def open(self, ref: Committed | None = None, *, verify: bool = True,
+             threads: int = 0) -> Iterator[CheckpointView]:
+        """A pinned view of ``ref`` (None: the newest); every byte read through it is checked when ``verify``.
+
+        Raises:
+            MissingStateError: nothing committed. HeaderError: a malformed manifest.
+        """
+        from fastckpt.errors import MissingStateError
+
+        if ref is None:
+            found = self.list()
+            if not found:
+                raise MissingStateError(f"{self.location}: the {self.tier} tier holds no committed checkpoint")
+            ref = found[-1]
+        folder = Path(ref.location)
+        with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
+            yield CheckpointView(str(folder), handle, read_manifest(handle), tier=self.tier)
+
+    def remove(self, ref: Committed) -> None:
+        """Remove one committed checkpoint (renamed away first, so it stops counting at once)."""
+        remove_folders([Path(ref.location)])
+
+    def hold(self, step: int) -> None:
+        """Keep ``checkpoint_{step}`` through later commits until :meth:`release` (a copy reads it)."""
+        with self._lock:
+            self._held[step] = self._held.get(step, 0) + 1
+
+    def release(self, step: int) -> None:
+        """Undo one :meth:`hold`; the next commit may remove it."""
+        with self._lock:
+            if self._held.get(step, 0) <= 1:
+                self._held.pop(step, None)
+            else:
+                self._held[step] -= 1
+
+    def prune(self, *, keep: int | None = None) -> None:
+        """Remove committed checkpoints but the newest ``self.keep`` (and ``keep``, and held ones)."""
+        with self._lock:
+            numbers = checkpoint_numbers(self.root)
+            newest = set(sorted(numbers)[-self.keep:]) | ({keep} if keep is not None else set()) | set(self._held)
+            remove_folders([f for n, f in numbers.items() if n not in newest])
+
+    def clear(self) -> None:
+        """Remove the whole tier folder (its checkpoints and leftovers)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def copy_files(src: Path, dst: Path, *, durable: bool) -> dict[str, int]:
+    """Copy the files a committed checkpoint's manifest lists from ``src`` into the existing folder ``dst``, the
+    manifest last (each fsynced when ``durable``); returns ``{file name: bytes}``."""
+    manifest = read_manifest(src)
+    names = [n for n in manifest.get("files", {}) if n != MANIFEST]
+    sizes: dict[str, int] = {}
+    for name in [*names, MANIFEST]:
+        sizes[name] = _copy_one(src / name, dst / name, durable)
+    if durable:
+        fsync_dir(dst)
+    return sizes
+
+
+def _copy_one(src: Path, dst: Path, durable: bool) -> int:
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        done = 0
+        try:  # copy_file_range: in the kernel, no trip through this process's memory
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as exc:  # tmpfs to another file system (EXDEV before Linux 5.19), or not supported
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+        if done != size:
+            fin.seek(done)
+            fout.seek(done)
+            shutil.copyfileobj(fin, fout, 16 << 20)
+        if durable:
+            fout.flush()
+            os.fsync(fout.fileno())
+    return size
+
+
+def copy_committed(src: Path, target: Path, *, durable: bool = True) -> Path:
+    """Commit a copy of the committed checkpoint ``src`` at ``target`` (a staging folder beside it, the manifest
+    last, fsynced when ``durable``, put in place in one rename): the durable tier made from a memory-tier copy.
+
+    Raises:
+        OSError: a file cannot be read or written (names it); nothing is committed at ``target``.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(target.parent)
+    with OwnedPath(target.parent, target.name) as owner:
+        owner.path.mkdir()
+        copy_files(src, owner.path, durable=durable)
+        _core.commit_dir(str(owner.path), str(target), durable=durable)
+    return target

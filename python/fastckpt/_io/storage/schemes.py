@@ -1,0 +1,79 @@
+"""A location becomes one :class:`~fastckpt._io.storage.base.Storage`: the one place a URL scheme maps to its
+backend. A new backend is one sub-package of :mod:`fastckpt._io.storage` plus one line in :data:`SCHEMES`.
+
+May import: everything in ``_io`` (see :mod:`fastckpt._io.storage`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastckpt._io.location import check_location
+from fastckpt._io.storage.base import Storage
+from fastckpt._io.storage.local.backend import LocalStorage
+from fastckpt._io.storage.object.backend import ObjectStorage
+from fastckpt._io.storage.object.store import OBJECT_SCHEMES, remote_url
+from fastckpt._io.storage.tiered.backend import TieredStorage
+
+__all__ = ["SCHEMES", "resolve", "resolve_tiered"]
+
+
+def _object(location: Any, project_dir: Any, storage_options: Mapping[str, Any] | None, what: str) -> Storage:
+    return ObjectStorage(remote_url(location, what), remote_url(project_dir, "project_dir"), storage_options)
+
+
+def _local(location: Any, project_dir: Any, storage_options: Mapping[str, Any] | None, what: str) -> Storage:
+    return LocalStorage(location, project_dir)
+
+
+#: URL scheme (None: a local path) -> the backend's constructor ``(location, project_dir, storage_options, what)``
+SCHEMES: dict[str | None, Callable[[Any, Any, Mapping[str, Any] | None, str], Storage]] = {
+    None: _local,
+    **{scheme: _object for scheme in OBJECT_SCHEMES},
+}
+
+
+def resolve(location: str | os.PathLike[str] | None, *, project_dir: str | os.PathLike[str] | None = None,
+            storage_options: Mapping[str, Any] | None = None, what: str = "output_dir") -> Storage:
+    """The storage that ``location`` (a checkpoint; None: automatic naming under ``project_dir``) names.
+
+    Args:
+        location: a local folder or a URL (``s3://bucket/prefix``), or None.
+        project_dir: the project for automatic naming (a local folder or URL); None: the current directory.
+        storage_options: backend settings (S3: endpoint, region, credentials...); ignored by local folders.
+        what: the argument's name for errors (``"output_dir"``, ``"input_dir"``, ``"folder"``).
+
+    Returns:
+        One :class:`~fastckpt._io.storage.base.Storage`.
+
+    Raises:
+        ValueError: a URL scheme no backend serves, a malformed URL, or ``location`` and ``project_dir`` in
+            different storages (the message names both).
+    """
+    scheme = remote_scheme(location, what)
+    project_scheme = remote_scheme(project_dir, "project_dir")
+    if location is not None and project_dir is not None and scheme is None and project_scheme is not None:
+        raise ValueError(f"{what}={location!r} is local but project_dir={project_dir!r} is in object storage; "
+                         "pass both in the same storage")
+    return SCHEMES[scheme if location is not None else project_scheme](location, project_dir, storage_options, what)
+
+
+def remote_scheme(path: Any, what: str) -> str | None:
+    """The URL scheme of ``path`` when a backend serves it, None for a local path or None (ValueError else)."""
+    return check_location(path, what, supported=tuple(s for s in SCHEMES if s is not None))
+
+
+def resolve_tiered(local: Storage, remote: Any, *, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """``local`` (a local folder or project) in front of the object storage ``remote`` (an ``s3://`` URL).
+
+    Raises:
+        ValueError: ``remote`` is not an ``s3://`` URL, or ``local`` is not a local folder.
+    """
+    url = remote_url(remote, "remote")
+    if url is None:
+        raise ValueError(f"remote={remote!r} is not an s3:// URL; a tiered save uploads to object storage")
+    if not isinstance(local, LocalStorage):
+        raise ValueError("with remote=, output_dir / project_dir are the local tier: pass local folders")
+    return TieredStorage(local, ObjectStorage(url, None, storage_options))

@@ -1,0 +1,99 @@
+"""The tiered backend of :class:`~fastckpt._io.storage.base.Storage`: local, then remote. A save commits in a local
+folder first (the local backend), then that committed folder is uploaded to object storage and committed there by
+its manifest object, in the background (:mod:`.upload`); a load reads the local tier when it holds a committed
+checkpoint, else the remote one.
+
+May import: what this sub-package's ``__init__`` lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fastckpt._io.storage.base import CheckpointView, Committed
+from fastckpt._io.storage.local.backend import LocalStagedSave, LocalStorage
+from fastckpt._io.storage.object.backend import ObjectStorage
+from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered, start_tiered
+
+__all__ = ["TieredStorage", "TieredStagedSave"]
+
+
+class TieredStagedSave:
+    """A tiered save: :meth:`commit` commits locally, then starts the upload (:attr:`upload`, its handle)."""
+
+    def __init__(self, storage: TieredStorage, local: LocalStagedSave, model_only: bool, total_limit: int | None) -> None:
+        self.storage, self.local, self.location = storage, local, local.location
+        self.model_only, self.total_limit = model_only, total_limit
+        self.upload: TieredSave | None = None
+
+    def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> None:
+        """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.write`."""
+        self.local.write(plan, durable=durable, threads=threads, **options)
+
+    def commit(self) -> Committed:
+        """Commit locally, then upload in the background (an earlier upload's error is raised first)."""
+        finish_tiered()
+        committed = self.local.commit()
+        self.upload = self.storage.upload(Path(committed.location), model_only=self.model_only,
+                                          total_limit=self.total_limit)
+        return committed
+
+    def abort(self) -> None:
+        """Drop the local save (nothing was uploaded)."""
+        self.local.abort()
+
+
+class TieredStorage:
+    """A local :class:`LocalStorage` in front of a remote :class:`ObjectStorage` (a checkpoint URL, or a project
+    prefix when the local tier numbers its checkpoints)."""
+
+    tier = "tiered"
+
+    def __init__(self, local: LocalStorage, remote: ObjectStorage) -> None:
+        self.local, self.remote = local, remote
+        self.location = local.location
+        self.root = local.root
+
+    def upload(self, folder: Path | Any, *, model_only: bool, total_limit: int | None) -> TieredSave:
+        """Upload the committed (or committing: an async save's handle) local ``folder`` in the background."""
+        auto = self.local.folder is None
+        target = self.remote.project if self.remote.project is not None else self.remote.url
+        assert target is not None
+        return start_tiered(folder, target, project_root=self.local.project.absolute() if auto else None,
+                            model_only=model_only, total_limit=total_limit,
+                            storage_options=self.remote.storage_options)
+
+    def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0,
+              total_limit: int | None = None) -> TieredStagedSave:
+        """A local save whose commit starts the upload."""
+        return TieredStagedSave(self, self.local.begin(name, model_only=model_only, step=step), model_only,
+                                total_limit)
+
+    def list(self, *, model_only: bool = False) -> list[Committed]:
+        """The local tier's committed checkpoints (the remote tier holds those uploaded)."""
+        return self.local.list(model_only=model_only)
+
+    @contextlib.contextmanager
+    def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
+             threads: int = 0) -> Iterator[CheckpointView]:
+        """The local tier's checkpoint when it holds one, else the remote tier's."""
+        tier = self.local if ref is not None or self.local.list(model_only=model_only) else self.remote
+        with tier.open(ref, model_only=model_only, verify=verify, threads=threads) as view:
+            yield view
+
+    @contextlib.contextmanager
+    def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:
+        """The local tier's :meth:`open_shared` (a sharded save is never tiered)."""
+        with self.local.open_shared(model_only=model_only, timeout=timeout, what=what) as view:
+            yield view
+
+    def remove(self, ref: Committed) -> None:
+        """Remove the local checkpoint (the remote one is rotated by the remote tier)."""
+        self.local.remove(ref)
+
+    def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
+        """Rotate the local tier (a folder still uploading is kept until its upload ends)."""
+        return self.local.rotate(total_limit, model_only=model_only)

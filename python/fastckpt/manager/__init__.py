@@ -1,0 +1,16 @@
+"""``fastckpt.CheckpointManager``: periodic, preemption-safe and crash-safe checkpoints of a training loop, with a
+memory tier under ``/dev/shm``, peer replicas and a restore that takes the newest intact step across tiers.
+
+Modules: :mod:`~fastckpt.manager.checkpoint_manager` (the manager), :mod:`~fastckpt.manager.preemption` (signals,
+the agreement on the step), :mod:`~fastckpt.manager.schedule` (every n steps / seconds, continuous, Young/Daly),
+:mod:`~fastckpt.manager.state` (what is saved), :mod:`~fastckpt.manager.durable` (the durable tier in the
+background), :mod:`~fastckpt.manager.replicas` (peer replicas), :mod:`~fastckpt.manager.restore` (across tiers).
+"""
+
+from __future__ import annotations
+
+from fastckpt.manager.checkpoint_manager import CheckpointManager
+from fastckpt.manager.preemption import Preempted
+from fastckpt.manager.schedule import young_daly_interval
+
+__all__ = ["CheckpointManager", "Preempted", "young_daly_interval"]

@@ -1,0 +1,445 @@
+"""``fastckpt.CheckpointManager``: the object a training loop holds to never lose more than a step.
+
+One copy per save: at a due ``step(n)`` the state is written by the Rust writer, straight from tensor memory and in
+parallel, into the memory tier (:mod:`fastckpt._io.storage.memory`, a folder under ``/dev/shm``) and committed
+there before ``step()`` returns; that copy is the host snapshot. The durable tier
+(``{project_dir}/checkpoints/checkpoint_{n}``, a normal checkpoint folder) is copied from it in the background
+(:mod:`fastckpt.manager.durable`), uploaded with ``remote=``, and the peers get their replicas
+(:mod:`fastckpt.manager.replicas`). A preemption signal is recorded and acted on at the next ``step()``
+(:mod:`fastckpt.manager.preemption`); :meth:`CheckpointManager.restore` takes the newest intact step across tiers
+(:mod:`fastckpt.manager.restore`).
+
+May import: every private layer (layer 5, public package).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from fastckpt._io.async_save.snapshot import has_device_tensors
+from fastckpt._io.async_save.writer import submit
+from fastckpt._io.group.distributed import (
+    DEFAULT_TIMEOUT,
+    Session,
+    broadcast_from_main,
+    check_timeout,
+    is_distributed,
+)
+from fastckpt._io.storage.local.commit import write_checkpoint
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
+from fastckpt._io.storage.local.numbering import rotate_checkpoints
+from fastckpt._io.storage.memory import MemoryTier, default_memory_root
+from fastckpt.errors import CheckpointError
+from fastckpt.manager.durable import DurableWriter
+from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
+from fastckpt.manager.replicas import Replicator
+from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
+from fastckpt.manager.schedule import Schedule
+from fastckpt.manager.state import Registered, build_plan, gather_rank_states
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("fastckpt")
+_managers = 0  # managers made by this process: the same sequence on every rank (their store keys differ)
+
+
+def _as_list(obj: Any) -> list:
+    return [] if obj is None else list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+class CheckpointManager:
+    """Periodic, preemption and crash-safe checkpoints of a training loop, with a memory tier and peer replicas.
+
+    Args:
+        project_dir: the durable tier: ``{project_dir}/checkpoints/checkpoint_{step}``, folders
+            :func:`fastckpt.load_state` reads (every manifest records its step).
+        model: a module or a list (DDP / DataParallel are unwrapped).
+        optimizer: an optimizer, a list, or None.
+        scheduler: an LR scheduler, a list, or None.
+        every_n_steps: a save is due at ``step(n)`` when ``n % every_n_steps == 0``.
+        every_seconds: a save is due at the first step boundary ``every_seconds`` (float seconds) after the last.
+        continuous: a save is due as soon as the previous one is durable.
+        mtbf: mean time between failures in seconds: saves every ``sqrt(2 * save_cost * mtbf)`` seconds
+            (Young/Daly), ``save_cost`` measured (:attr:`interval_seconds`).
+        memory: True: the memory tier at ``/dev/shm/fastckpt-{job}/rank{r}`` (``job``: ``FASTCKPT_JOB_ID``, else
+            the project folder's name and a hash of its path, so a restart on the same machine finds it); a path:
+            this rank's memory tier there; False: no memory tier (each save is written durably in ``step()``).
+        replicas: peers (other machines first, by ``LOCAL_WORLD_SIZE``) holding a copy of each rank's memory
+            snapshot (int >= 0; several processes and ``memory`` only).
+        keep: durable checkpoints kept (int >= 1, or None for all); the memory tier keeps the newest.
+        remote: an ``s3://`` project URL: each durable checkpoint is uploaded there in the background.
+        storage_options: S3 settings for ``remote`` (see :func:`fastckpt.save_state`).
+        preemption_signals: the signals that ask for a save and exit (installed on the main thread only).
+        preemption_exit_code: the :class:`Preempted` exit code (int, default 0).
+        host_memory_budget: bytes (int or ``"8GB"``) the memory tier may hold; a state larger than that is refused,
+            and a save that would hold two snapshots over it waits for the durable copy of the older first.
+        threads: writer / reader threads (0: min(8, cores)).
+        timeout: seconds a process waits for the others at a save, a restore or a preemption (float).
+
+    Raises:
+        ValueError: a bad option (names it). TypeError: a model that is not a module.
+
+    Example:
+        >>> mgr = fastckpt.CheckpointManager("run", model, optimizer, scheduler, every_n_steps=100)
+        >>> start = mgr.restore()
+        >>> for step in range(start, total_steps):
+        ...     train_one_step()
+        ...     mgr.step(step + 1)
+        >>> mgr.close()
+    """
+
+    def __init__(self, project_dir: str | os.PathLike[str], model: Any, optimizer: Any = None,
+                 scheduler: Any = None, *, every_n_steps: int | None = None, every_seconds: float | None = None,
+                 continuous: bool = False, mtbf: float | None = None, memory: bool | str | os.PathLike[str] = True,
+                 replicas: int = 0, keep: int | None = 3, remote: str | None = None,
+                 storage_options: Any = None,
+                 preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+                 preemption_exit_code: int = 0, host_memory_budget: int | str | None = None, threads: int = 0,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        from fastckpt.checkpoint import _as_list as checked_list
+
+        global _managers
+        _managers += 1
+        self.project = Path(project_dir).absolute()
+        self.models = checked_list(model, "model")
+        if not self.models:
+            raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
+        from fastckpt._state.sharded import is_sharded
+
+        if is_sharded(self.models):
+            raise ValueError("CheckpointManager manages replicated (DDP-style) states; sharded (FSDP2 / DTensor) "
+                             "models are not supported yet: save them with fastckpt.save_state on every rank")
+        self.optimizers = checked_list(optimizer, "optimizer")
+        self.schedulers = checked_list(scheduler, "scheduler")
+        self.objects: list[Registered] = []
+        self.schedule = Schedule(every_n_steps=every_n_steps, every_seconds=every_seconds, continuous=continuous,
+                                 mtbf=mtbf)
+        for name, value, low in (("replicas", replicas, 0), ("keep", keep, 1), ("threads", threads, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.keep, self.threads, self.timeout = keep, threads, check_timeout(timeout)
+        self.exit_code = int(preemption_exit_code)
+        self.storage_options = storage_options
+        self.remote = None
+        if remote is not None:
+            from fastckpt._io.storage.object.store import remote_url
+
+            self.remote = remote_url(remote, "remote")
+            if self.remote is None:
+                raise ValueError(f"remote={remote!r} is not an s3:// URL")
+        self.budget = None
+        if host_memory_budget is not None:
+            from fastckpt._io.storage.local.shards import parse_size
+
+            self.budget = parse_size(host_memory_budget, "host_memory_budget")
+        self.distributed = is_distributed()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.memory: MemoryTier | None = None
+        if memory is True:
+            self.memory = MemoryTier(default_memory_root(self.project, self.rank))
+        elif memory not in (False, None):
+            self.memory = MemoryTier(Path(memory))
+        self.durable = None
+        if self.memory is not None and self.rank == 0:
+            self.durable = DurableWriter(self.memory, self.project, keep=keep, remote=self.remote,
+                                         storage_options=storage_options)
+        self.group = None
+        self.replicator = None
+        if self.distributed and (replicas or self.memory is not None):  # every rank makes it (a collective)
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        if self.distributed and replicas and self.memory is not None:
+            self.replicator = Replicator(self.memory, rank=self.rank, world=self.world, replicas=replicas,
+                                         group=self.group)
+        store, prefix = None, f"fastckpt/manager/{_managers}"
+        if self.distributed:  # a name no earlier launch sharing the store (an elastic restart) used
+            store = dist.distributed_c10d._get_default_store()
+            prefix += "/" + broadcast_from_main(secrets.token_hex(8) if self.rank == 0 else None,
+                                                what="CheckpointManager: naming its store keys", timeout=self.timeout)
+        self.board = EventBoard(store, prefix)
+        self.signals = SignalRecorder(tuple(preemption_signals))
+        self.signals.install()
+        self.restored_from: str | None = None
+        self.restored_step: int | None = None
+        self.last_saved: int | None = None
+        self.preempt_seconds: float | None = None
+        #: the :class:`Preempted` of a preemption save (set before it is raised; see ``exit_on_preemption``)
+        self.preempted: Preempted | None = None
+        self._closed = False
+
+    # -- extra state ---------------------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any, per_rank: bool = False) -> None:
+        """Checkpoint ``objects`` too: anything with ``state_dict()`` / ``load_state_dict()`` (a sampler, a
+        ``StatefulDataLoader``, counters, a ``GradScaler``, an EMA model), stored pickle-free as
+        ``custom_checkpoint_{i}.safetensors`` in registration order (register the same objects in the same order
+        before :meth:`restore`). Every process restores the saving process's state (replicated objects, as
+        accelerate saves the main process's). ``per_rank=True``: the object differs across processes (a
+        per-rank data order, a counter of local tokens): its state is gathered from every process at each save
+        (through the store: keep it small) and each process restores its own
+        (``custom_checkpoint_{i}_rank{r}.safetensors``).
+
+        Raises:
+            TypeError: an object without ``state_dict`` / ``load_state_dict``.
+        """
+        for obj in objects:
+            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+                raise TypeError(f"{type(obj).__name__} has no state_dict() / load_state_dict(); it cannot be "
+                                "registered for checkpointing")
+            self.objects.append(Registered(obj, per_rank=bool(per_rank)))
+
+    @property
+    def _state(self) -> tuple:
+        return self.models, self.optimizers, self.schedulers, self.objects
+
+    # -- restore -------------------------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Restore the newest intact step across tiers (own memory, peer replicas, local durable, remote); every
+        candidate is checked (crc32c) before anything is applied, a damaged one is skipped with a
+        :class:`~fastckpt.errors.TierSkippedWarning`; every rank restores the same step (the newest every rank
+        can). Sets :attr:`restored_from` (``"memory"``, ``"peer"``, ``"local"``, ``"remote"`` or None) and logs it.
+
+        Returns:
+            The restored step (int), 0 when no tier holds an intact checkpoint (nothing is changed then).
+
+        Raises:
+            KeyMismatchError / ShapeMismatchError / DtypeError: the checkpoint is of another model (nothing
+                changed). CollectiveTimeoutError: another process did not take part within ``timeout``.
+            CheckpointError: another process failed (names it); nothing changed on any process.
+        """
+        started = time.perf_counter()
+        if self.distributed:
+            c, _ = restore_multi(self.memory, self.project, self.remote, self.storage_options, self._state, group=self.group,
+                                 timeout=self.timeout, threads=self.threads)
+        else:
+            cands = local_candidates(self.memory, self.project)
+            rc = remote_candidate(self.remote, self.storage_options)
+            c, _ = restore_single(cands + ([rc] if rc else []), self._state, threads=self.threads,
+                                  storage_options=self.storage_options)
+        self.restored_from = None if c is None else c.tier
+        self.restored_step = None if c is None else c.step
+        log_restore(c, started)
+        return 0 if c is None else c.step
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    @property
+    def preemption_requested(self) -> bool:
+        """A preemption signal arrived on this process (the save happens at the next :meth:`step`)."""
+        return self.signals.pending
+
+    def request_preemption(self, signum: int = signal.SIGTERM) -> None:
+        """Act as if ``signum`` arrived: the next :meth:`step` saves durably and raises :class:`Preempted`."""
+        self.signals.trigger(signum)
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`step` would save at ``step`` by the ``every_n_steps`` schedule."""
+        return self.schedule.due_by_steps(step)
+
+    def step(self, step: int, *, exit_on_preemption: bool = True) -> bool:
+        """Call after each optimizer step with the number of steps done: saves when due (committed in the memory
+        tier when it returns, durable in the background); after a preemption signal saves ``step`` durably and
+        raises :class:`Preempted`.
+
+        Args:
+            step: optimizer steps done (int >= 0; the same on every process).
+            exit_on_preemption: False (a framework callback that stops training its own way): after the
+                preemption save, return True and set :attr:`preempted` (the :class:`Preempted` it would raise)
+                instead of raising.
+
+        Returns:
+            Whether a save was made at ``step``.
+
+        Raises:
+            Preempted: (a ``SystemExit``) a preemption signal arrived and ``step`` is durable.
+            Exception: a background save (durable copy, upload, replica) failed; raised once, here.
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointManager.step() after close(): make a new manager")
+        self._check_background()
+        event = self.board.poll()
+        ahead = 1 if self.distributed else 0  # the others may be at this boundary already: propose the next
+        if event is None and self.signals.pending:
+            event = self.board.propose(step + ahead, "preempt")
+        if event is None and self.schedule.timed and self.rank == 0 and step != self.last_saved:
+            busy = self.durable.busy if self.durable is not None else False
+            if self.schedule.due_by_time(durable_busy=busy):
+                event = self.board.propose(step + ahead, "save")
+        act = None
+        if event is not None and event[0] <= step:
+            act = event[1]
+            self.board.consume()
+        if act == "preempt":
+            self.preempted = self._preempt(step)
+            if exit_on_preemption:
+                raise self.preempted
+            return True
+        if act == "save" or self.schedule.due_by_steps(step):
+            self.save_now(step)
+            return True
+        return False
+
+    def preemption_due(self, step: int) -> bool:
+        """For integrations that write checkpoints in their own format (the Trainer's ``checkpoint-N``, Lightning's
+        ``last.ckpt``): call instead of :meth:`step` at every step boundary, on every process. True at the step
+        every process agreed to stop at after a preemption signal (the same agreement as :meth:`step`: this step
+        with one process, the next boundary with several); the caller then saves that step durably and calls
+        :meth:`exit_preempted`. Saves nothing itself; a time-based save event, if any, is passed over.
+
+        Returns:
+            Whether this process must save ``step`` and stop now.
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointManager.preemption_due() after close(): make a new manager")
+        event = self.board.poll()
+        if event is None and self.signals.pending:
+            event = self.board.propose(step + (1 if self.distributed else 0), "preempt")
+        if event is None or event[0] > step:
+            return False
+        self.board.consume()
+        return event[1] == "preempt"
+
+    def exit_preempted(self, step: int, path: str | os.PathLike[str]) -> None:
+        """After a preemption save made outside the manager (see :meth:`preemption_due`): log the signal-to-durable
+        time, close the manager (the memory tier is kept) and raise :class:`Preempted` naming ``step`` and ``path``.
+
+        Raises:
+            Preempted: always (a ``SystemExit`` with the manager's ``preemption_exit_code``).
+        """
+        signum = self.signals.signum or signal.SIGTERM
+        self.preempt_seconds = time.monotonic() - (self.signals.at or time.monotonic())
+        logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
+                       signum, step, path, self.preempt_seconds)
+        self.close(clear_memory=False)
+        raise Preempted(self.exit_code, step=step, signum=signum, path=Path(path))
+
+    def save_now(self, step: int) -> Path:
+        """Save ``step`` now (every process calls it at the same step): committed in the memory tier when it
+        returns (or durably without one), durable and replicated in the background.
+
+        Returns:
+            The committed memory-tier folder (the durable folder without a memory tier).
+
+        Raises:
+            TypeError: state that cannot be stored without pickle (names its path); nothing is committed.
+            ValueError: the state is larger than ``host_memory_budget``.
+            OSError: the tier cannot be written; the previous checkpoint stays.
+        """
+        started, clock = time.perf_counter(), time.monotonic()
+        if self.replicator is not None:
+            self.replicator.wait()
+        states = gather_rank_states(step, self.objects, self.timeout)
+        plan = build_plan(*self._state, step=step, rank_states=states)
+        if self.memory is None:
+            path = self._save_durably(plan, step)
+        else:
+            path = self._save_memory(plan, step)
+        self.last_saved = step
+        self.schedule.saved(step, clock, time.perf_counter() - started)
+        return path
+
+    def _save_memory(self, plan: Any, step: int) -> Path:
+        assert self.memory is not None
+        if self.budget is not None:
+            if plan.nbytes > self.budget:
+                raise ValueError(f"the state is {plan.nbytes} bytes, over host_memory_budget={self.budget} bytes; "
+                                 "raise the budget or pass memory=False")
+            if self.durable is not None and 2 * plan.nbytes > self.budget:
+                self.durable.wait()  # the older snapshot goes once its durable copy is made
+        save = self.memory.begin(step=step)
+        try:
+            if has_device_tensors(plan):  # staged through the host buffer pool (device-to-host copies)
+                submit(plan, save.staging, write=lambda p, _t, **kw: save.write(
+                    p, threads=self.threads, ready=kw.get("ready")), blocking=True).wait()
+            else:
+                save.write(plan, threads=self.threads)
+            committed = save.commit()
+        except BaseException:
+            save.abort()
+            raise
+        if self.durable is not None:
+            self.durable.submit(step)
+        if self.replicator is not None:
+            self.replicator.submit(step)
+        return Path(committed.location)
+
+    def _save_durably(self, plan: Any, step: int) -> Path:
+        target = self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"
+
+        def write() -> Path:
+            write_checkpoint(plan, target, durable=True, threads=self.threads)
+            if self.keep is not None:
+                rotate_checkpoints(self.project, self.keep)
+            return target
+
+        return Session(f"CheckpointManager save of step {step}", self.timeout).on_main(write)
+
+    def _preempt(self, step: int) -> Preempted:
+        signum = self.signals.signum or signal.SIGTERM
+        at = self.signals.at or time.monotonic()
+        if self.last_saved != step:
+            self.save_now(step)
+        path = self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"
+        if self.memory is not None:
+            def wait() -> Path:
+                assert self.durable is not None
+                self.durable.wait(step)
+                return path
+
+            Session(f"CheckpointManager preemption save of step {step}", self.timeout).on_main(wait)
+        if self.replicator is not None:
+            self.replicator.wait()
+        self.preempt_seconds = time.monotonic() - at
+        logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
+                       signum, step, path, self.preempt_seconds)
+        self.close(clear_memory=False)
+        return Preempted(self.exit_code, step=step, signum=signum, path=path)
+
+    def _check_background(self) -> None:
+        if self.durable is not None:
+            self.durable.check()
+
+    # -- the end -------------------------------------------------------------------------------------------
+    @property
+    def interval_seconds(self) -> float | None:
+        """The seconds between time-based saves (``every_seconds``, or Young/Daly's from the measured cost)."""
+        return self.schedule.interval_seconds
+
+    def wait(self) -> int | None:
+        """Wait until the durable tier (and the replicas) caught up; returns the newest durable step (rank 0;
+        None elsewhere). Raises a background failure not yet raised."""
+        if self.replicator is not None:
+            self.replicator.wait()
+        return self.durable.wait() if self.durable is not None else self.last_saved
+
+    def close(self, *, clear_memory: bool = True) -> None:
+        """Wait for the durable tier and the replicas, raise a failure not yet raised, and put the previous signal
+        handlers back. ``clear_memory``: remove this rank's memory tier (default True: a run that ended leaves
+        ``/dev/shm`` empty; a preemption or an exception inside ``with`` keeps it for the restart).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.signals.uninstall()
+        self.wait()
+        if clear_memory and self.memory is not None:
+            self.memory.clear()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, Preempted):
+            return
+        if exc_type is not None:  # a crash: keep the memory tier for the restart, do not mask the error
+            self._closed = True
+            self.signals.uninstall()
+            return
+        self.close(clear_memory=True)

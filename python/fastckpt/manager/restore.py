@@ -1,0 +1,254 @@
+"""Restore across tiers: the newest intact step among the own memory tier, peer replicas, the local durable tier
+and the remote one; every candidate checked (crc32c) before anything is applied; a damaged tier skipped with a
+:class:`~fastckpt.errors.TierSkippedWarning` naming it.
+
+One process (:func:`restore_single`): candidates newest first (at equal steps: memory, local, remote); each is read
+and checked through a pinned handle (phase 1 of a load, nothing live changes), the first that passes is applied.
+
+Several processes (:func:`restore_multi`): each process checks what it holds (its memory tier, the replicas it
+keeps for other ranks; the main process also the durable tiers) and reports the newest intact step of each; the
+main process picks the newest step every rank can restore, and for each rank where from (its own memory, a peer
+holding its replica, the durable tier); replicas travel over the peer group into the owner's memory tier; every
+rank reads and checks its copy, they agree, and only then does any rank apply.
+
+May import: every private layer (layer 5, public package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.integrity import verify_checkpoint
+from fastckpt._io.storage.local.numbering import checkpoint_numbers
+from fastckpt._io.storage.memory import MemoryTier
+from fastckpt._io.storage.peer import exchange, replica_sources, replica_tier
+from fastckpt.errors import (
+    CheckpointChangedError,
+    CheckpointError,
+    HeaderError,
+    IntegrityError,
+    MissingStateError,
+    TierSkippedWarning,
+)
+from fastckpt.manager.state import plan_restore
+
+__all__ = ["Candidate", "restore_single", "restore_multi", "TIERS"]
+
+logger = logging.getLogger("fastckpt")
+
+#: at equal steps, the cheaper tier first
+TIERS = ("memory", "peer", "local", "remote")
+#: what makes a tier skipped instead of the restore failing: damaged, partial or unreadable bytes
+DAMAGE = (IntegrityError, HeaderError, MissingStateError, CheckpointChangedError, OSError)
+_NUMBER = re.compile(r"checkpoint_(\d+)/?$")
+
+
+@dataclass
+class Candidate:
+    """One checkpoint a restore may use: its step, tier, and a local folder or an ``s3://`` URL."""
+
+    step: int
+    tier: str
+    location: str
+    folder: Path | None = None
+
+    def key(self) -> tuple[int, int]:
+        return (-self.step, TIERS.index(self.tier))
+
+
+def skip(c: Candidate, exc: BaseException) -> None:
+    """Warn that ``c`` is skipped (names tier, place, step and error)."""
+    warnings.warn(f"the {c.tier} tier's checkpoint of step {c.step} at {c.location} is damaged or unreadable "
+                  f"({type(exc).__name__}: {exc}); skipped, trying the next one", TierSkippedWarning, stacklevel=4)
+
+
+def local_candidates(memory: MemoryTier | None, project: Path | None) -> list[Candidate]:
+    """The own memory tier's and the local durable tier's committed checkpoints (None: that tier is skipped)."""
+    out = [] if memory is None else [Candidate(c.step or 0, "memory", c.location, Path(c.location))
+                                     for c in memory.list()]
+    if project is not None:
+        out += [Candidate(n, "local", str(f), f) for n, f in checkpoint_numbers(project, full_only=True).items()]
+    return out
+
+
+def remote_candidate(remote: Any, storage_options: Any) -> Candidate | None:
+    """The newest committed checkpoint under the ``remote`` project (``s3://``), or None."""
+    if remote is None:
+        return None
+    from fastckpt._io.storage.object.api import latest_remote
+
+    url = latest_remote(remote, model_only=False, storage_options=storage_options)
+    m = _NUMBER.search(url or "")
+    return None if m is None else Candidate(int(m.group(1)), "remote", str(url))
+
+
+@contextlib.contextmanager
+def opened(c: Candidate, storage_options: Any) -> Any:
+    """``c`` as a local folder (a remote one is fetched into memory, checked as it comes in)."""
+    if c.tier != "remote":
+        yield c.folder
+        return
+    from fastckpt._io.storage.object.api import fetched
+    from fastckpt._io.storage.object.store import remote_url
+
+    with fetched(remote_url(c.location, "remote"), None, model_only=False, storage_options=storage_options) as f:
+        yield f
+
+
+def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, storage_options: Any) -> Any:
+    """Phase 1 from ``c``: every byte it reads checked; returns the load plan (nothing live changed)."""
+    with opened(c, storage_options) as folder:
+        with pinned(folder, verify=True, threads=threads, defer=True) as handle:
+            plan = plan_restore(handle, *objects, rank=rank)
+    return plan
+
+
+def restore_single(candidates: list[Candidate], objects: tuple, *, threads: int,
+                   storage_options: Any) -> tuple[Candidate | None, Any]:
+    """Try ``candidates`` newest first; returns the one applied (None: none intact) and its load plan."""
+    for c in sorted(candidates, key=Candidate.key):
+        try:
+            plan = read_checked(c, objects, rank=0, threads=threads, storage_options=storage_options)
+        except DAMAGE as exc:
+            skip(c, exc)
+            continue
+        plan.apply(threads=threads)
+        return c, plan
+    return None, None
+
+
+def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None]) -> Candidate | None:
+    for c in sorted(cands, key=Candidate.key):
+        try:
+            check(c)
+            return c
+        except DAMAGE as exc:
+            skip(c, exc)
+    return None
+
+
+def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, *, rank: int,
+           threads: int) -> dict[str, Any]:
+    """What this process can restore from: ``{"memory": step|None, "held": {src: step}, "local": [steps visible],
+    "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c), the durable
+    tiers only listed (rank 0 checks the one :func:`decide` needs)."""
+    def check(c: Candidate) -> None:
+        verify_checkpoint(c.folder, threads=threads)
+
+    own = None if memory is None else _newest_intact(local_candidates(memory, None), check)
+    held: dict[int, int] = {}
+    if memory is not None:
+        for src in replica_sources(memory.root):
+            tier = replica_tier(memory.root, src)
+            c = _newest_intact([Candidate(x.step or 0, "peer", x.location, Path(x.location)) for x in tier.list()],
+                               check)
+            if c is not None:
+                held[src] = c.step
+    rc = remote_candidate(remote, storage_options) if rank == 0 else None
+    return {"memory": None if own is None else own.step, "held": held,
+            "local": sorted(c.step for c in local_candidates(None, project)),
+            "remote": None if rc is None else [rc.step, rc.location]}
+
+
+def decide(reports: list[dict[str, Any]], project: Path, *, threads: int) -> dict[str, Any]:
+    """The newest step every rank can restore and each rank's source (run on rank 0); a durable checkpoint is
+    checked (crc32c) only when the step needs it, so a restore from memory and replicas never reads the durable
+    tier."""
+    remote = reports[0]["remote"]
+    durable_ok: dict[int, bool] = {}
+
+    def durable(s: int) -> bool:
+        if s not in durable_ok:
+            folder = project / "checkpoints" / f"checkpoint_{s}"
+            try:
+                verify_checkpoint(folder, threads=threads)
+                durable_ok[s] = True
+            except DAMAGE as exc:
+                skip(Candidate(s, "local", str(folder), folder), exc)
+                durable_ok[s] = False
+        return durable_ok[s]
+
+    steps: set[int] = set(reports[0]["local"])
+    for rep in reports:
+        steps |= {s for s in (rep["memory"], *rep["held"].values()) if s is not None}
+    if remote is not None:
+        steps.add(remote[0])
+    for s in sorted(steps, reverse=True):
+        sources: list[Any] = []
+        for r, rep in enumerate(reports):
+            holder = next((p for p, other in enumerate(reports) if p != r and other["held"].get(r) == s), None)
+            if rep["memory"] == s:
+                sources.append(["memory"])
+            elif holder is not None:
+                sources.append(["peer", holder])
+            elif s in rep["local"] and s in reports[0]["local"] and durable(s):
+                sources.append(["local"])
+            elif remote is not None and s == remote[0]:
+                sources.append(["remote", remote[1]])
+            else:
+                break
+        else:
+            return {"step": s, "sources": sources}
+    return {"step": None, "sources": []}
+
+
+def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, objects: tuple, *,
+                  group: Any, timeout: float, threads: int) -> tuple[Candidate | None, Any]:
+    """The agreed restore of several processes (see the module docs); returns this rank's source and plan."""
+    session = Session("CheckpointManager.restore", timeout)
+    rank = session.rank
+    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads)
+    reports = session.gather(report, step="survey")
+    choice = session.broadcast(decide(reports, project, threads=threads) if rank == 0 else None, step="decide")
+    if choice["step"] is None:
+        return None, None
+    step = choice["step"]
+    error: BaseException | None = None
+    try:  # replicas travel to the ranks that lost their memory tier (every rank walks the same list)
+        for r, src in enumerate(choice["sources"]):
+            if src[0] != "peer" or memory is None:
+                continue
+            holder = src[1]
+            if rank == holder:
+                folder = replica_tier(memory.root, r).folder / f"checkpoint_{step}"
+                exchange(folder, [r], [], group)
+            elif rank == r:
+                exchange(None, [], [(holder, memory)], group)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = exc
+    mine = choice["sources"][rank]
+    own = memory.folder if memory is not None else project / "checkpoints"  # memory / peer need a memory tier
+    where = {"memory": own / f"checkpoint_{step}", "peer": own / f"checkpoint_{step}",
+             "local": project / "checkpoints" / f"checkpoint_{step}"}
+    c = Candidate(step, mine[0], mine[1] if mine[0] == "remote" else str(where[mine[0]]),
+                  None if mine[0] == "remote" else where[mine[0]])
+    plan = None
+    if error is None:
+        try:
+            plan = read_checked(c, objects, rank=rank, threads=threads, storage_options=storage_options)
+        except Exception as exc:  # noqa: BLE001 - every rank raises below
+            error = exc
+    if error is not None and not isinstance(error, CheckpointError):
+        error = CheckpointError(f"restoring step {step} from the {c.tier} tier at {c.location}: "
+                                f"{type(error).__name__}: {error}")
+    session.agree(error, step="checked")
+    plan.apply(threads=threads)
+    return c, plan
+
+
+def log_restore(c: Candidate | None, started: float) -> None:
+    """INFO: where the restore came from (or that there was nothing)."""
+    if c is None:
+        logger.info("CheckpointManager: no intact checkpoint in any tier; starting at step 0")
+    else:
+        logger.info("CheckpointManager: restored step %d from the %s tier (%s) in %.3f s", c.step, c.tier,
+                    c.location, time.perf_counter() - started)

@@ -1,0 +1,75 @@
+"""CheckpointManager with 2 and 4 real processes (``torchrun``, gloo, CPU, DDP): one launch per world size runs
+every scenario of tests/helpers/mp_recovery_worker.py (a preemption seen by one rank saved by all at the same
+step, a lost node restored from a peer's replica without reading the durable tier, a damaged memory tier replaced
+by the peer's replica, every memory tier lost: the durable tier), each resumed bit-exactly against the
+uninterrupted multi-process run of the same launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_recovery_worker.py"
+K = 4  # the step during which the last rank gets SIGTERM (the worker's K)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def run(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"recovery{world}")
+    tests = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+               PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world), str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)
+               if (out / f"rank{r}.json").is_file()]
+    assert proc.returncode == 0 and len(results) == world, proc.stdout[-3000:] + proc.stderr[-6000:]
+    crashes = [f"rank {r}:\n{res['crash']}" for r, res in enumerate(results) if res["crash"]]
+    assert not crashes, "\n".join(crashes)
+    return world, out, results
+
+
+def test_one_rank_signalled_every_rank_saves_the_same_step(run):
+    world, out, results = run
+    for res in results:
+        assert res["preempt_step"] == K + 1 and res["preempt_code"] == 0
+        assert res["preempt_durable_files"] == sorted(
+            ["fastckpt.json", "model.safetensors", "optimizer.safetensors", "scheduler.json"]
+            + [f"random_states_{r}.safetensors" for r in range(world)]
+            + [f"custom_checkpoint_{i}_rank{r}.safetensors" for i in (0, 1) for r in range(world)])
+        assert res["preempt_restart"] == [K + 1, "memory"] and res["preempt_equal"] is True
+
+
+def test_lost_node_restores_from_a_peer_replica(run):
+    world, out, results = run
+    assert [res["lost_restart"] for res in results] == [[6, "peer" if r == 1 else "memory"] for r in range(world)]
+    assert all(res["lost_warnings"] == [] for res in results)  # the damaged durable step 3 was never read
+    assert all(res["lost_equal"] is True for res in results)
+
+
+def test_damaged_memory_tier_is_replaced_by_the_peer_replica(run):
+    world, out, results = run
+    assert [res["damaged_restart"] for res in results] == [[6, "peer" if r == 0 else "memory"] for r in range(world)]
+    warned = results[0]["damaged_warnings"]
+    assert len(warned) == 1 and "memory tier" in warned[0] and "mem0" in warned[0] and "IntegrityError" in warned[0]
+    assert all(res["damaged_warnings"] == [] for res in results[1:])
+    assert all(res["damaged_equal"] is True for res in results)
+
+
+def test_every_memory_tier_lost_restores_the_durable_tier(run):
+    world, out, results = run
+    assert [res["durable_restart"] for res in results] == [[6, "local"]] * world
+    assert all(res["durable_equal"] is True for res in results)
+
+
+def test_continuous_saves_are_agreed(run):
+    world, out, results = run
+    saved = [res["continuous_saved"] for res in results]
+    # proposed by the main process at the step after a save was durable, for the next step: every other step
+    assert saved == [[2, 4, 6, 8]] * world

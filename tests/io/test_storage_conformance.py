@@ -1,0 +1,166 @@
+"""The storage conformance suite: what every backend of :class:`fastckpt._io.storage.base.Storage` must do, run
+against each one (a local folder, ``s3://`` on the moto server of tests/helpers/s3_server.py, and the memory tier
+once it registers in :data:`BACKENDS`).
+
+The conventions checked (see :mod:`fastckpt._io.storage.base`): a save that was not committed is never listed and
+never opened; a commit makes the whole save visible (bit-exact) or raises and changes nothing; ``list`` orders by
+checkpoint number and keeps full and model-only checkpoints apart; ``open`` reads the newest full checkpoint;
+``remove`` and ``rotate`` take checkpoints out of the list at once; a reader's open file survives a ``remove``.
+
+A new backend registers one factory in :data:`BACKENDS` and passes this file unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from helpers.common import make_training_state
+
+from fastckpt._io.storage import resolve
+from fastckpt._io.storage.base import Storage
+from fastckpt._plan.save import build_save_plan
+from fastckpt.errors import MissingStateError
+
+
+def _local(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
+    return resolve(tmp_path / "run" / "ckpt" if named else None, project_dir=tmp_path / "run")
+
+
+def _s3(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
+    url = request.getfixturevalue("s3_url")
+    return resolve(f"{url}/ckpt" if named else None, project_dir=None if named else url)
+
+
+#: backend name -> factory ``(request, tmp_path, named) -> Storage``: a project whose checkpoints are numbered
+#: (``named=False``), or one named checkpoint location (``named=True``).
+#: HOOK for the memory tier (issue 25): register its factory here, e.g.
+#: ``BACKENDS["memory"] = lambda request, tmp_path, named: resolve(...)`` with the memory tier's location.
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path, bool], Storage]] = {"local": _local, "s3": _s3}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def project(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    return BACKENDS[backend](request, tmp_path, False)
+
+
+@pytest.fixture
+def named(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    return BACKENDS[backend](request, tmp_path, True)
+
+
+def _save(storage: Storage, seed: int, *, step: int, model_only: bool = False, **options) -> tuple[dict, object]:
+    """Save a training state built from ``seed``; returns (the model's state_dict, the Committed)."""
+    model, opt, sched = make_training_state(seed)
+    plan = build_save_plan([model], [] if model_only else [opt], [] if model_only else [sched],
+                           model_only=model_only, step=step, max_shard_size=None, compat=None, trainable_only=False,
+                           trainable_buffers=(), dtype=None, threads=0)
+    save = storage.begin(model_only=model_only, step=step)
+    save.write(plan, **options)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, save.commit()
+
+
+def _read_model(storage: Storage, **kwargs) -> tuple[dict, dict]:
+    """(model tensors, manifest) of the checkpoint ``storage.open(**kwargs)`` gives."""
+    with storage.open(**kwargs) as view:
+        tensors = safetensors.torch.load((view.folder / "model.safetensors").read_bytes())
+        manifest = json.loads((view.folder / "fastckpt.json").read_text())
+    return tensors, manifest
+
+
+def _assert_equal(saved: dict, read: dict) -> None:
+    assert sorted(saved) == sorted(read)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, read[name]), name
+
+
+def test_a_save_that_was_not_committed_is_never_listed_or_opened(project):
+    model, opt, sched = make_training_state(0)
+    plan = build_save_plan([model], [opt], [sched], model_only=False, step=1, max_shard_size=None, compat=None,
+                           trainable_only=False, trainable_buffers=(), dtype=None, threads=0)
+    save = project.begin(step=1)
+    save.write(plan)
+    save.abort()
+    save.abort()  # idempotent
+    assert project.list() == []
+    with pytest.raises(MissingStateError):
+        with project.open():
+            pass
+
+
+def test_a_commit_makes_the_whole_save_visible_bit_exact(project):
+    saved, committed = _save(project, 1, step=5)
+    listed = project.list()
+    assert [(c.number, c.step, c.model_only) for c in listed] == [(0, 5, False)]
+    assert listed[0].location == committed.location or committed.location.endswith("checkpoint_0")
+    tensors, manifest = _read_model(project)
+    _assert_equal(saved, tensors)
+    assert manifest["step"] == 5 and manifest["mode"] == "full"
+
+
+def test_list_orders_by_number_and_keeps_kinds_apart(project):
+    _save(project, 1, step=1)
+    _save(project, 2, step=2)
+    snapshot, _ = _save(project, 3, step=3, model_only=True)
+    assert [(c.number, c.step) for c in project.list()] == [(0, 1), (1, 2)]
+    assert [(c.number, c.step, c.model_only) for c in project.list(model_only=True)] == [(0, 3, True)]
+    _assert_equal(snapshot, _read_model(project, ref=project.list(model_only=True)[0])[0])
+
+
+def test_open_reads_the_newest_full_checkpoint_or_the_one_named(project):
+    _save(project, 1, step=1)
+    newest, _ = _save(project, 2, step=2)
+    _assert_equal(newest, _read_model(project)[0])
+    first = project.list()[0]
+    with project.open(first) as view:
+        assert json.loads((view.folder / "fastckpt.json").read_text())["step"] == 1
+
+
+def test_a_refused_commit_changes_nothing(project):
+    kept, _ = _save(project, 1, step=1)
+
+    def refuse(*_args):
+        raise ValueError("refused before the manifest")
+
+    with pytest.raises(ValueError, match="refused before the manifest"):
+        _save(project, 2, step=2, before_commit=refuse)
+    assert [c.step for c in project.list()] == [1]
+    _assert_equal(kept, _read_model(project)[0])
+
+
+def test_remove_and_rotate_take_checkpoints_out_at_once(project):
+    for step in range(4):
+        _save(project, step, step=step)
+    project.remove(project.list()[-1])
+    assert [c.step for c in project.list()] == [0, 1, 2]
+    removed = project.rotate(1)
+    assert len(removed) == 2
+    assert [c.step for c in project.list()] == [2]
+    assert _read_model(project)[1]["step"] == 2
+
+
+def test_a_reader_keeps_what_it_opened_when_the_checkpoint_is_removed(project):
+    saved, _ = _save(project, 1, step=1)
+    with project.open() as view:
+        with open(view.folder / "model.safetensors", "rb") as f:
+            project.remove(project.list()[0])
+            assert project.list() == []
+            _assert_equal(saved, safetensors.torch.load(f.read()))
+
+
+def test_a_named_location_holds_one_checkpoint_saved_over_in_one_step(named):
+    assert named.list() == []
+    _save(named, 1, step=1)
+    newer, _ = _save(named, 2, step=2)
+    assert [(c.number, c.step) for c in named.list()] == [(None, 2)]
+    _assert_equal(newer, _read_model(named)[0])
+    assert named.rotate(1) == []

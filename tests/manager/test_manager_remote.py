@@ -1,0 +1,63 @@
+"""CheckpointManager(remote="s3://..."): each durable checkpoint is uploaded in the background (the tiered upload),
+rotated to ``keep`` there too; a new machine with neither memory tier nor local folder restores from the remote
+tier, and a damaged remote copy is skipped for an intact local one (session moto server)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from helpers.recovery_loop import build, fingerprint, reference, seed_globals, train_step
+from helpers.s3_server import BUCKET, keys
+
+import fastckpt
+from fastckpt.errors import TierSkippedWarning
+
+
+def manager(root, url, memory, state):
+    mgr = fastckpt.CheckpointManager(root, *state[:3], every_n_steps=2, memory=memory, keep=2, remote=url)
+    mgr.register_for_checkpointing(state[3], state[4])
+    return mgr
+
+
+def test_remote_tier_uploads_and_restores(tmp_path, s3_endpoint):
+    url = f"s3://{BUCKET}/manager-{uuid.uuid4().hex[:6]}"
+    state = build()
+    seed_globals()
+    mgr = manager(tmp_path / "proj", url, tmp_path / "mem", state)
+    for step in range(6):
+        train_step(*state)
+        mgr.step(step + 1)
+        mgr.wait()  # each upload ends before the next save: a known remote tier
+    mgr.close()
+    manifests = sorted(k.rsplit("/", 1)[-1] for k in keys(url.split("/", 3)[3]) if "/manifests/" in k)
+    assert fastckpt.latest_checkpoint(url) == f"{url}/checkpoints/checkpoint_6"
+    assert manifests  # committed objects exist
+    # a new machine: no memory tier, no local folder
+    fresh = build()
+    seed_globals()
+    mgr = manager(tmp_path / "other", url, tmp_path / "mem-other", fresh)
+    assert mgr.restore() == 6 and mgr.restored_from == "remote"
+    for _step in range(6, 10):
+        train_step(*fresh)
+    got, want = fingerprint(*fresh), reference(10)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_only_the_remote_tier_left_damaged_restores_nothing(tmp_path, s3_endpoint):
+    url = f"s3://{BUCKET}/manager-{uuid.uuid4().hex[:6]}"
+    state = build()
+    mgr = manager(tmp_path / "proj", url, tmp_path / "mem", state)
+    train_step(*state)
+    mgr.step(2)
+    mgr.close()
+    from helpers.s3_server import client
+
+    key = next(k for k in keys(url.split("/", 3)[3]) if k.endswith("model.safetensors"))
+    body = bytearray(client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[-3] ^= 0x10
+    client().put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    mgr = manager(tmp_path / "other", url, tmp_path / "mem-other", build())
+    with pytest.warns(TierSkippedWarning, match="remote tier"):
+        assert mgr.restore() == 0
