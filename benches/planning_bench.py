@@ -15,6 +15,8 @@ Counted on every rank during each call, by wrapping the calls (nothing is sample
 
 - ``collectives``: torch.distributed collective calls (``gather_object``, ``scatter_object_list``,
   ``broadcast_object_list``, ``all_gather_object``, ``barrier``, ``all_reduce``, ...): DCP's planning rounds;
+- ``planning rounds``: DCP's planning rounds (a gather of the ranks' plans + a scatter of the global plan: 2 of
+  the collectives); fastckpt's resave of an unchanged state makes none (:mod:`fastckpt._plan.dcp_resave`);
 - ``collective KB sent``: the pickled size of what the rank hands to those object collectives (its plan in a
   gather, the plans the coordinator scatters, ...);
 - ``store ops`` / ``store KB``: requests to the process group's key-value store (fastckpt's own steps, see
@@ -152,6 +154,21 @@ def _wrap_store() -> None:
     c10d._get_default_store = proxy
 
 
+def _wrap_planning_rounds() -> None:
+    """Count DCP's planning rounds (``_DistWrapper.reduce_scatter("plan", ...)``: a gather of every rank's plan and
+    a scatter of the global plan; each is 2 of the collectives above)."""
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    real = _DistWrapper.reduce_scatter
+
+    def counted(self: Any, step: str, *args: Any, **kwargs: Any) -> Any:
+        if step == "plan":
+            COUNTS.c["planning_rounds"] += 1
+        return real(self, step, *args, **kwargs)
+
+    _DistWrapper.reduce_scatter = counted
+
+
 def _wrap_planning() -> None:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -192,6 +209,7 @@ def worker(args: argparse.Namespace) -> None:
     _wrap_collectives()
     _wrap_store()
     _wrap_planning()
+    _wrap_planning_rounds()
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(16)))
@@ -297,9 +315,9 @@ def main() -> None:
     everything: dict[int, list] = {}
     print(f"tiny FSDP2 state (16 x Linear(64, 64) + AdamW), gloo on {os.cpu_count()} cores; medians of "
           f"{args.rounds} alternated rounds; counts are rank 0's (coordinator) per call")
-    print("| op | world | wall ms | collectives | collective KB sent | store ops | store KB | coordinator plan ms "
-          "| of it global plan ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | world | wall ms | collectives | planning rounds | collective KB sent | store ops | store KB "
+          "| coordinator plan ms | of it global plan ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for w in worlds:
         res = run_world(w, args.rounds)
         everything[w] = res
@@ -307,6 +325,7 @@ def main() -> None:
             rows = res[0][op]
             wall = statistics.median(max(r[op][i]["ms"] for r in res) for i in range(len(rows)))
             print(f"| {op} | {w} | {wall:.0f} | {_median(rows, 'collectives'):.0f} | "
+                  f"{_median(rows, 'planning_rounds'):.0f} | "
                   f"{_median(rows, 'collective_bytes') / 1e3:.1f} | {_median(rows, 'store_ops'):.0f} | {_median(rows, 'store_bytes') / 1e3:.1f} | "
                   f"{_median(rows, 'plan_ms'):.1f} | {_median(rows, 'global_plan_ms'):.1f} |")
     print("\nmedians of per-round ratios (wall of the slowest rank, same round):")

@@ -51,27 +51,57 @@ def _index(fqn: str, offsets: tuple[int, ...]) -> Any:
     return MetadataIndex(fqn, torch.Size(offsets))
 
 
-def rank_plans(world: int, tensors: int) -> list[Any]:
-    """The ``SavePlan`` each of ``world`` ranks sends for the model + AdamW state (see the module docs)."""
+def linear_model(world: int, tensors: int) -> list[tuple[str, tuple[int, ...]]]:
+    """``tensors`` Linear layers whose weight [4N, 64] and bias [4N] give every rank 4 rows."""
+    return [(name, shape) for t in range(tensors)
+            for name, shape in ((f"layers.{t}.weight", (world * ROWS_PER_RANK, COLS)),
+                                (f"layers.{t}.bias", (world * ROWS_PER_RANK,)))]
+
+
+def llm_model(world: int, layers: int = 32) -> list[tuple[str, tuple[int, ...]]]:
+    """An 8B Llama-shaped decoder (hidden 4096, 8 KV heads of 128, MLP 14336, vocabulary 128256): 291 tensors."""
+    h, kv, mlp, vocab = 4096, 1024, 14336, 128256
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (mlp, h)), (p + "mlp.up_proj.weight", (mlp, h)),
+                (p + "mlp.down_proj.weight", (h, mlp)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def row_block(rows: int, world: int, r: int) -> tuple[int, int]:
+    """``(offset, rows)`` of rank r's ``Shard(0)`` block of ``rows`` rows (torch.chunk's split, as FSDP2's)."""
+    per = -(-rows // world)
+    start = min(rows, r * per)
+    return start, min(rows, start + per) - start
+
+
+def rank_plans(world: int, tensors: int, model: Any = None) -> list[Any]:
+    """The ``SavePlan`` each of ``world`` ranks sends for the model + AdamW state (see the module docs).
+    ``model``: ``[(fqn, shape)]`` (default: :func:`linear_model`); a rank whose block of a tensor is empty (more
+    ranks than rows) sends no chunk of it."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     props = TensorProperties(dtype=torch.float32)
+    spec = model if model is not None else linear_model(world, tensors)
+    step = ChunkStorageMetadata(torch.Size([]), torch.Size([]))
     plans = []
     for r in range(world):
         items = []
-        for t in range(tensors):
-            for name, shape in ((f"layers.{t}.weight", (world * ROWS_PER_RANK, COLS)),
-                                (f"layers.{t}.bias", (world * ROWS_PER_RANK,))):
+        for name, shape in spec:
+            start, n = row_block(shape[0], world, r)
+            if n:
+                offsets = (start,) + (0,) * (len(shape) - 1)
+                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size((n,) + shape[1:]))
                 for state in ("", "state.exp_avg.", "state.exp_avg_sq."):
-                    offsets = (r * ROWS_PER_RANK,) + (0,) * (len(shape) - 1)
-                    sizes = (ROWS_PER_RANK,) + shape[1:]
-                    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
                     items.append(WriteItem(_index(state + name, offsets), WriteItemType.SHARD,
                                            tensor_data=TensorWriteData(chunk, props, torch.Size(shape))))
-                step = ChunkStorageMetadata(torch.Size([]), torch.Size([]))
-                items.append(WriteItem(_index(f"state.step.{name}", ()), WriteItemType.TENSOR,
-                                       tensor_data=TensorWriteData(step, props, torch.Size([]))))
+            items.append(WriteItem(_index(f"state.step.{name}", ()), WriteItemType.TENSOR,
+                                   tensor_data=TensorWriteData(step, props, torch.Size([]))))
         plans.append(SavePlan(items))
     return plans
 
@@ -179,9 +209,50 @@ def rank_load_plan(world: int, tensors: int, metadata: Any) -> Any:
     return len(items) + len(plan.items)
 
 
-def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
+class _Shard(torch.Tensor):
+    """A stand-in for a rank's DTensor in DCP's load planning: the global size (an expanded one-element tensor:
+    no memory) and ``__create_chunk_list__`` giving this rank's block, as a DTensor does."""
+
+    _chunks: list[Any]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return self._chunks
+
+
+def rank_state(world: int, r: int, metadata: Any) -> dict[str, Any]:
+    """Rank r's load state dict over ``metadata``'s tensors: its row block of each (FSDP2's ``Shard(0)``)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    state: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        shape = tuple(md.size)
+        t = torch.empty(1).expand(*shape).as_subclass(_Shard) if shape else torch.empty(()).as_subclass(_Shard)
+        start, n = row_block(shape[0], world, r) if shape else (0, 0)
+        offsets, sizes = ((start,) + (0,) * (len(shape) - 1), (n,) + shape[1:]) if shape else ((), ())
+        t._chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
+        state[fqn] = t
+    return state
+
+
+def rank_load_indexed(world: int, folder: pathlib.Path) -> tuple[int, int]:
+    """What one rank (``world // 2``) does to plan a load over an indexed folder: ``StorageReader.read_metadata``
+    (the index's header), ``fastckpt.dcp.LoadPlanner`` (the chunks its boxes overlap, by binary search; DCP's
+    planning over them) and the reader's lookups of every chunk its plan reads (file, name, sizes).
+    Returns (read items, index bytes looked at)."""
+    import fastckpt.dcp
+
+    reader = fastckpt.dcp.StorageReader(folder)
+    metadata = reader.read_metadata()
+    planner = fastckpt.dcp.LoadPlanner()
+    planner.set_up_planner(rank_state(world, world // 2, metadata), metadata, False)
+    plan = planner.create_local_plan()
+    reader._needed(plan.items)
+    return len(plan.items), reader._parsed.index.bytes_read
+
+
+def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int, float]]:
     """Ops and seconds of each coordinator step (and one rank's load planning) at ``world`` ranks."""
-    plans = rank_plans(world, tensors)
+    plans = rank_plans(world, tensors, model)
     out: dict[str, tuple[int, float]] = {}
     ops, secs, (final, metadata) = count_ops(lambda: global_plan(plans))
     out["global plan"] = (ops, secs)
@@ -196,9 +267,10 @@ def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
     unchanged = [SavePlan([], usable=False) for _ in range(world)]  # what ranks send when their plan is cached
     ops, secs, _ = count_ops(lambda: global_plan(unchanged, caching=True))
     out["global plan, cached"] = (ops, secs)
-    with tempfile.TemporaryDirectory(prefix="fastckpt-scale-") as tmp:
-        ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, pathlib.Path(tmp) / "model"))
-        text = (pathlib.Path(tmp) / "model" / "dcp_metadata.json").read_bytes()
+    tmp = tempfile.TemporaryDirectory(prefix="fastckpt-scale-")
+    folder = pathlib.Path(tmp.name) / "model"
+    ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, folder))
+    text = (folder / "dcp_metadata.json").read_bytes()
     out["writer"] = (ops, secs)
     walls.append(LAST_WALL)
     ops, secs, _ = count_ops(lambda: manifest_merge(world, files))
@@ -208,11 +280,17 @@ def measure(world: int, tensors: int) -> dict[str, tuple[int, float]]:
                                 sum(out[k][1] for k in ("global plan", "writer", "manifest")))
     out["coordinator total, wall s"] = (0, sum(walls))
     ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
-    out["rank load plan"] = (ops, secs)
+    out["rank load plan, full metadata"] = (ops, secs)
     from fastckpt._format.dcp_metadata import parse_metadata
 
     ops, secs, _ = count_ops(lambda: parse_metadata(text, "dcp_metadata.json"))
-    out["rank metadata parse"] = (ops, secs)
+    out["rank metadata parse, full metadata"] = (ops, secs)
+    ops, secs, (items, looked_at) = count_ops(lambda: rank_load_indexed(world, folder))
+    out["rank index read + load plan"] = (ops, secs)
+    out["dcp_metadata.json KB"] = (0, len(text) / 1e3)
+    out["dcp_index.bin KB"] = (0, (folder / "dcp_index.bin").stat().st_size / 1e3)
+    out["index read by a rank KB"] = (0, looked_at / 1e3)
+    tmp.cleanup()
     return out
 
 
@@ -220,6 +298,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,512,1024,2048,4096")
     parser.add_argument("--tensors", type=int, default=16, help="Linear layers (weight + bias each)")
+    parser.add_argument("--llm", type=int, default=0, metavar="N",
+                        help="also model an 8B Llama-shaped FSDP2 + AdamW state on N ranks (accelerate#4099: 2816)")
     parser.add_argument("--no-count", "--wall-only", dest="no_count", action="store_true",
                         help="time without counting calls (no profiler)")
     args = parser.parse_args()
@@ -232,8 +312,27 @@ def main() -> None:
     print("| step | " + " | ".join(f"N={w}" for w in worlds) + " | ops ratio per doubling |")
     print("|---|" + "---|" * (len(worlds) + 1))
     rows = {w: measure(w, args.tensors) for w in worlds}
+    _table(rows, worlds)
+    if args.llm:
+        world = args.llm
+        print(f"\n8B Llama-shaped model (291 tensors, Shard(0) over N ranks by torch.chunk's split) + AdamW, N={world}")
+        print(f"| step | N={world} |\n|---|---|")
+        llm = measure(world, 0, llm_model(world))
+        for step, (ops, secs) in llm.items():
+            print(f"| {step} | {_cell(step, ops, secs)} |")
+
+
+def _cell(step: str, ops: int, secs: float) -> str:
+    if step.endswith(" KB"):
+        return f"{secs:.1f}"
+    if step.endswith("wall s"):
+        return f"{secs:.3f} s"
+    return f"{secs:.3f} s ({ops / 1e6:.3f} M ops)" if ops < 1e5 else f"{secs:.3f} s ({ops / 1e6:.2f} M ops)"
+
+
+def _table(rows: dict[int, dict[str, tuple[int, float]]], worlds: list[int]) -> None:
     for step in rows[worlds[0]]:
-        cells = [f"{rows[w][step][1]:.3f} s ({rows[w][step][0] / 1e6:.2f} M ops)" for w in worlds]
+        cells = [_cell(step, *rows[w][step]) for w in worlds]
         ratios = [rows[b][step][0] / max(1, rows[a][step][0]) for a, b in zip(worlds, worlds[1:])]
         ratio = ", ".join(f"{x:.2f}" for x in ratios) if rows[worlds[0]][step][0] else "-"
         print(f"| {step} | " + " | ".join(cells) + f" | {ratio} |")

@@ -5,6 +5,8 @@ Usage: ``torchrun --standalone --nproc-per-node N tests/helpers/dcp_worker.py OU
 
 MODE ``save`` (2 ranks):
   A: ``dcp.save`` (unchanged) of the state sharded along dim 0 -> ``OUT/A``; reload on 2 ranks along dim 1.
+  I: the sharded tensors alone, saved along dim 0 -> ``OUT/I``, reloaded through the chunk index along dim 0 (each
+     rank opens its own shard file only) and along dim 1.
   B / C: ``dcp.async_save`` with the thread / the process checkpointer -> ``OUT/B``, ``OUT/C``; reload.
   F: ``OUT/F`` holds seed 1; re-saves of seed 2 that fail on rank 1 (an I/O error after its file is written, a
      value that needs pickle, the same I/O error under raw ``dcp.save``) raise on both ranks and leave seed 1.
@@ -15,7 +17,9 @@ MODE ``save`` (2 ranks):
   O: its sharded tensors alone, saved along dim 0 to ``$FASTCKPT_TEST_S3_URL-own``: reloaded along dim 0 each rank
      fetches its own object only, along dim 1 both; then rank 0 flips a byte of rank 1's object: a load raises
      IntegrityError on both ranks (rank 1 finds it while planning) and fills nothing on either.
-MODE ``load`` (any world size): ``OUT/A`` into DTensors along dim 0 and along dim 1.
+  R (2 ranks, and 4 in MODE load): ``OUT/A`` into plain tensors on every rank (data parallel), read once in total and
+     read by every rank (bytes read per rank recorded); then rank 1's reads fail: every rank raises.
+MODE ``load`` (any world size): ``OUT/A`` into DTensors along dim 0 and along dim 1; R.
 MODE ``kill`` (2 ranks): ``OUT/K`` holds seed 1; during the re-save of seed 2 rank 1 is SIGKILLed right after it
   wrote its file (torchrun then stops rank 0, which waits in DCP's gather): the test checks the folder afterwards.
 """
@@ -61,6 +65,37 @@ def reload_fetched(url: str, state: dict, mesh, dim: int) -> tuple[list[str], li
     reader = fastckpt.dcp.StorageReader(url)
     dcp.load(target, storage_reader=reader)
     return mismatches(state, target, world=mesh.size(), rank=mesh.get_local_rank(), dim=dim), reader.fetched
+
+
+def reload_opened(folder: Path, state: dict, mesh, dim: int) -> tuple[list[str], list[str]]:
+    """Load ``folder`` into ``state``'s template sharded along ``dim`` through its chunk index; (mismatches, the
+    shard files this rank opened)."""
+    target = as_dtensors(template(state), mesh, dim, zero=True)
+    reader = fastckpt.dcp.StorageReader(folder)
+    dcp.load(target, storage_reader=reader, planner=reader.load_planner())
+    return mismatches(state, target, world=mesh.size(), rank=mesh.get_local_rank(), dim=dim), sorted(reader._files)
+
+
+def read_once(folder: Path, rank: int) -> None:
+    """``folder`` loaded into plain tensors on every rank (a data-parallel load: every box wanted by every rank),
+    read once in total (``read_once=True``: each box by one rank, sent to the others) and by every rank; then the
+    reading rank 1 fails: every rank raises, none hangs."""
+    import fastckpt.dcp.reader as reader_module
+
+    state = full_state()
+    for once in (True, False):
+        target = template(state)
+        reader = fastckpt.dcp.StorageReader(folder, read_once=once)
+        dcp.load(target, storage_reader=reader, planner=reader.load_planner())
+        checks[f"R_{once}"] = {"mismatches": mismatches(state, target), "read": reader.read_bytes,
+                               "verified": reader.verified_bytes, "received": reader.received_bytes}
+    real = reader_module.read_boxes
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise OSError(5, "injected read error", "shard")
+        reader_module.read_boxes = failing
+    checks["R_fail"] = error_of(lambda: fastckpt.dcp.load(template(state), folder))
+    reader_module.read_boxes = real
 
 
 def damaged_object(url: str, state: dict, mesh, rank: int) -> None:
@@ -170,6 +205,10 @@ def main() -> None:
         if MODE == "save":
             dcp.save(as_dtensors(full_state(), mesh, 0), storage_writer=fastckpt.dcp.StorageWriter(OUT / "A"))
             checks["A_dim1"] = reload(OUT / "A", mesh, 1)
+            own = {k: v for k, v in full_state().items() if k in SHARDED}
+            fastckpt.dcp.save(as_dtensors(own, mesh, 0), OUT / "I")
+            checks["I_dim0"] = reload_opened(OUT / "I", own, mesh, 0)  # the index: its own shard file only
+            checks["I_dim1"] = reload_opened(OUT / "I", own, mesh, 1)
             fut = dcp.async_save(as_dtensors(full_state(), mesh, 0), storage_writer=fastckpt.dcp.StorageWriter(OUT / "B"))
             fut.result()
             checks["B_dim0"] = reload(OUT / "B", mesh, 0)
@@ -178,6 +217,7 @@ def main() -> None:
             fut.result()
             checks["C_dim0"] = reload(OUT / "C", mesh, 0)
             failures(mesh, rank)
+            read_once(OUT / "A", rank)
             dtype_mismatch(mesh)
             s3_url = os.environ["FASTCKPT_TEST_S3_URL"]
             fastckpt.dcp.save(as_dtensors(full_state(), mesh, 0), s3_url)
@@ -195,6 +235,7 @@ def main() -> None:
         else:
             checks["L_dim0"] = reload(OUT / "A", mesh, 0)
             checks["L_dim1"] = reload(OUT / "A", mesh, 1)
+            read_once(OUT / "A", rank)
     except BaseException:  # report, so the test shows the traceback of the rank that failed
         checks["crash"] = traceback.format_exc()
     (OUT / f"{MODE}-rank{rank}.json").write_text(json.dumps(checks, indent=1))

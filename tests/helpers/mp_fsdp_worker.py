@@ -361,23 +361,31 @@ def scenario_integrity(rank: int, world: int) -> None:
         checks[f"integrity_{case}_intact_loads"] = not same(full_state(model, opt), before)
 
 
-def planned(fn) -> int:
-    """How many times the coordinator's DCP global planning (dedup, merge, validation) ran during ``fn()``."""
+def planned(fn) -> tuple[int, int]:
+    """``(global plans, planning rounds)`` during ``fn()``: how many times the coordinator's DCP global planning
+    (dedup, merge, validation) ran, and how many DCP planning rounds (gather + scatter of plans) this rank joined."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.utils import _DistWrapper
 
-    real = DefaultSavePlanner._create_global_plan
-    calls = []
+    real, real_round = DefaultSavePlanner._create_global_plan, _DistWrapper.reduce_scatter
+    calls, rounds = [], []
 
     def counting(self, all_plans):
         calls.append(1)
         return real(self, all_plans)
 
+    def counting_round(self, step, *args, **kwargs):
+        rounds.append(step)
+        return real_round(self, step, *args, **kwargs)
+
     DefaultSavePlanner._create_global_plan = counting
+    _DistWrapper.reduce_scatter = counting_round
     try:
         fn()
     finally:
         DefaultSavePlanner._create_global_plan = real
-    return len(calls)
+        _DistWrapper.reduce_scatter = real_round
+    return len(calls), rounds.count("plan")
 
 
 def scenario_plan_cache(rank: int, world: int) -> None:
@@ -385,16 +393,16 @@ def scenario_plan_cache(rank: int, world: int) -> None:
     model, opt, sched = fresh("tiny")
 
     def save_and_load_back(m, o, s, **sizes) -> object:
-        n = planned(lambda: fastckpt.save_state(m, o, s, output_dir=target))
+        n, rounds = planned(lambda: fastckpt.save_state(m, o, s, output_dir=target))
         m2, o2, s2 = fresh("tiny", seed=99, **sizes)
         train_step(m2, o2, s2, 0, rank=rank, world=world)  # other values, same structure as the saved state
         fastckpt.load_state(m2, o2, s2, input_dir=target)
         got, want = full_state(m2, o2), full_state(m, o)
-        return {"planned": n, "same": same(got, want) or diff(got, want)[:5]}
+        return {"planned": n, "rounds": rounds, "same": same(got, want) or diff(got, want)[:5]}
 
     checks["cache_first"] = save_and_load_back(model, opt, sched)  # no optimizer state yet
-    checks["cache_unchanged"] = {"planned": planned(lambda: fastckpt.save_state(model, opt, sched,
-                                                                                 output_dir=target))}
+    n, rounds = planned(lambda: fastckpt.save_state(model, opt, sched, output_dir=target))
+    checks["cache_unchanged"] = {"planned": n, "rounds": rounds}
     train_step(model, opt, sched, 0, rank=rank, world=world)  # AdamW's exp_avg, exp_avg_sq, step appear
     checks["cache_new_optimizer_state"] = save_and_load_back(model, opt, sched)
     train_step(model, opt, sched, 1, rank=rank, world=world)  # new values, same plans
@@ -402,6 +410,39 @@ def scenario_plan_cache(rank: int, world: int) -> None:
     other, other_opt, other_sched = fresh("tiny", dim=17, hidden=5)
     train_step(other, other_opt, other_sched, 0, rank=rank, world=world)
     checks["cache_new_shapes"] = save_and_load_back(other, other_opt, other_sched, dim=17, hidden=5)
+
+
+def scenario_read_once(rank: int, world: int) -> None:
+    """``w{world}_tiny`` (this run's save after 3 steps) loaded with boxes read once per replica group (default:
+    AdamW's replicated ``step`` of every parameter, the unsharded ``scale`` buffer) and with every rank reading its
+    own (the coordinator's share step skipped): both equal the one-process reference; bytes read per rank."""
+    import fastckpt.dcp
+
+    counted = {"read": 0, "received": 0}
+    real_read = fastckpt.dcp.StorageReader.read_data
+
+    def counting(self, plan, planner):
+        before = (self.read_bytes, self.received_bytes)
+        out = real_read(self, plan, planner)
+        counted["read"] += self.read_bytes - before[0]
+        counted["received"] += self.received_bytes - before[1]
+        return out
+
+    real_share = fastckpt.dcp.StorageReader.prepare_global_plan
+    fastckpt.dcp.StorageReader.read_data = counting
+    ref_model, ref_opt, _ = reference("tiny", 3)
+    try:
+        for once in (True, False):
+            if not once:
+                fastckpt.dcp.StorageReader.prepare_global_plan = lambda self, plans: plans
+            counted.update(read=0, received=0)
+            model, opt, sched = fresh("tiny")
+            fastckpt.load_state(model, opt, sched, input_dir=OUT / f"w{world}_tiny")
+            got, want = full_state(model, opt), full_state(ref_model, ref_opt)
+            checks[f"read_once_{once}"] = {"same": same(got, want) or diff(got, want)[:5], **counted}
+    finally:
+        fastckpt.dcp.StorageReader.read_data = real_read
+        fastckpt.dcp.StorageReader.prepare_global_plan = real_share
 
 
 def scenario_timeout(rank: int, world: int) -> None:
@@ -431,6 +472,7 @@ def main() -> None:
             record("scenario_failures", lambda: scenario_failures(rank, world))
         record("scenario_rounds", lambda: scenario_rounds(rank, world))
         record("scenario_plan_cache", lambda: scenario_plan_cache(rank, world))
+        record("scenario_read_once", lambda: scenario_read_once(rank, world))
         if world >= 2:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
         if world == 2:

@@ -11,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from helpers.dcp_state import full_state, mismatches, same, template
 from safetensors import safe_open
 
@@ -61,6 +63,48 @@ def test_two_ranks_reload_in_another_placement(run):
     assert [r["A_dim1"] for r in saved] == [[], []]
 
 
+def test_each_rank_opens_only_the_shard_files_its_boxes_come_from_through_the_index(run):
+    """The chunk index (dcp_index.bin): in the saved placement rank r opens shard r alone; along dim 1 both; the
+    values equal the one-process reference (mismatches against full_state())."""
+    _, saved, _, _ = run
+    own = "shard-{:05d}-of-00002.safetensors"
+    assert [r["I_dim0"] for r in saved] == [[[], [own.format(r)]] for r in range(2)]
+    assert [r["I_dim1"] for r in saved] == [[[], [own.format(0), own.format(1)]]] * 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_data_parallel_load_reads_the_checkpoint_once_in_total(run, world, tmp_path):
+    """Every rank loads every tensor (plain tensors): with read_once each box is read by one rank and sent to the
+    others, so the ranks together read the checkpoint's bytes once (within 5%), as one process reading it alone
+    does; each rank reading its own reads them ``world`` times; both loads equal the one-process reference."""
+    _, saved, loaded, _ = run
+    results = saved if world == 2 else loaded
+    reference = fastckpt.dcp.StorageReader(run[0] / "A")
+    one = template(full_state())
+    with warnings.catch_warnings():  # one process, no process group: what is meant
+        warnings.simplefilter("ignore", UserWarning)
+        torch.distributed.checkpoint.load(one, storage_reader=reference, planner=reference.load_planner(), no_dist=True)
+    assert mismatches(full_state(), one) == []
+    once = [r["R_True"] for r in results]
+    each = [r["R_False"] for r in results]
+    assert all(r["mismatches"] == [] for r in once + each), (once, each)
+    total = reference.read_bytes
+    assert total <= sum(r["read"] for r in once) <= 1.05 * total, (total, once)
+    assert sum(r["verified"] for r in once) <= 1.05 * reference.verified_bytes, (reference.verified_bytes, once)
+    assert all(r["read"] < total for r in once), once  # the reads are spread over the ranks
+    assert sum(r["read"] + r["received"] for r in once) >= world * total  # every rank got every box (ties twice)
+    assert sum(r["read"] for r in each) == world * total, each
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failed_read_on_the_reading_rank_raises_on_every_rank(run, world):
+    _, saved, loaded, _ = run
+    results = saved if world == 2 else loaded
+    assert results[1]["R_fail"] == "OSError: [Errno 5] injected read error: 'shard'", results[1]["R_fail"]
+    for rank, res in enumerate(results):  # every rank waited on boxes rank 1 reads: each raises rank 1's error
+        assert res["R_fail"] == results[1]["R_fail"], (rank, res["R_fail"])
+
+
 def test_four_ranks_load_a_two_rank_save(run):
     _, _, loaded, _ = run
     assert [(r["L_dim0"], r["L_dim1"]) for r in loaded] == [([], [])] * 4
@@ -86,7 +130,8 @@ def test_two_ranks_save_to_s3_and_reload_in_another_placement_and_in_one_process
     _, saved, _, _ = run
     assert [r["S_dim1"] for r in saved] == [[], []]
     names = sorted(k.split("/", 2)[2] for k in keys("dcp-two-ranks/") if "/save-" in k)
-    assert names == ["dcp_metadata.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert names == ["dcp_index.bin", "dcp_metadata.json", "shard-00000-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors"]
     reference = full_state()
     reloaded = template(reference)
     fastckpt.dcp.load(reloaded, S3_URL)
@@ -97,7 +142,7 @@ def test_two_ranks_save_to_s3_and_reload_in_another_placement_and_in_one_process
 def test_each_rank_fetches_only_the_objects_its_boxes_come_from(run):
     """Reloaded in the saved placement, rank r reads shard r's object alone; in another placement both."""
     _, saved, _, _ = run
-    meta, own = "dcp_metadata.json", "shard-{:05d}-of-00002.safetensors"
+    meta, own = "dcp_index.bin", "shard-{:05d}-of-00002.safetensors"  # the index, not the full metadata
     assert [r["O_dim0"] for r in saved] == [[[], [meta, own.format(r)]] for r in range(2)]
     assert [r["O_dim1"] for r in saved] == [[[], [meta, own.format(0), own.format(1)]]] * 2
 
@@ -113,7 +158,7 @@ def test_a_damaged_object_one_rank_reads_is_refused_on_every_rank_before_any_rea
 def test_two_rank_folder_layout(run):
     out, _, _, _ = run
     names = sorted(p.name for p in (out / "A").iterdir())
-    assert names == ["dcp_metadata.json", "fastckpt.json", "shard-00000-of-00002.safetensors",
+    assert names == ["dcp_index.bin", "dcp_metadata.json", "fastckpt.json", "shard-00000-of-00002.safetensors",
                      "shard-00001-of-00002.safetensors"]
     meta = json.loads((out / "A" / "dcp_metadata.json").read_text())
     emb, head = meta["state_dict"]["emb"]["tensor"], meta["state_dict"]["head"]["tensor"]

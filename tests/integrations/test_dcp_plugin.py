@@ -41,12 +41,17 @@ def test_round_trip_through_plain_dcp_calls(tmp_path):
 
 def test_folder_holds_no_pickle(saved):
     names = sorted(p.name for p in saved.iterdir())
-    assert names == ["dcp_metadata.json", "fastckpt.json", "shard-00000-of-00001.safetensors"]  # no .metadata
+    assert names == ["dcp_index.bin", "dcp_metadata.json", "fastckpt.json",
+                     "shard-00000-of-00001.safetensors"]  # no .metadata
     for name in names:
         data = (saved / name).read_bytes()
         assert not data.startswith(b"\x80")  # a pickle (protocol 2+) starts with PROTO
         if name.endswith(".json"):
             json.loads(data)  # all of it is JSON text
+            continue
+        if name == "dcp_index.bin":  # a JSON header and int64 columns (fastckpt._format.dcp_index)
+            assert data.startswith(b"FCKDCPIX")
+            json.loads(data[24:24 + int.from_bytes(data[16:24], "little")])
             continue
         _, entries, data_start = _core.parse_header(data)
         with safe_open(saved / name, "pt") as f:
@@ -76,7 +81,8 @@ def test_commit_false_writes_into_a_staged_folder(tmp_path):
     writer = fastckpt.dcp.StorageWriter(staging, commit=False)
     fastckpt.dcp.save(full_state(), staging, writer=writer)
     names = sorted(p.name for p in staging.iterdir())
-    assert names == ["dcp_metadata.json", "shard-00000-of-00001.safetensors"]  # no manifest, nothing renamed
+    assert names == ["dcp_index.bin", "dcp_metadata.json",
+                     "shard-00000-of-00001.safetensors"]  # no manifest, nothing renamed
     assert sorted(writer.files) == names
     for name, entry in writer.files.items():
         data = (staging / name).read_bytes()
@@ -179,6 +185,7 @@ HOSTILE = ["not json", "array", "deep", "version", "escape", "past size", "negat
 
 @pytest.mark.parametrize("kind", HOSTILE)
 def test_hostile_metadata_is_a_header_error(saved, kind):
+    (saved / "dcp_index.bin").unlink()  # a folder without the index (older saves, tools): the metadata is read whole
     os.chmod(saved / "dcp_metadata.json", 0o644)
     (saved / "dcp_metadata.json").write_bytes(_hostile(saved, kind))
     with pytest.raises(HeaderError, match="dcp_metadata.json"):
@@ -216,13 +223,16 @@ def test_missing_and_truncated_files(saved, tmp_path):
 
 
 @single_process
-def test_the_reader_parses_its_metadata_once_per_version_of_the_file(saved, tmp_path, monkeypatch):
+@pytest.mark.parametrize("indexed", [True, False])
+def test_the_reader_parses_its_metadata_once_per_version_of_the_file(saved, tmp_path, monkeypatch, indexed):
     import fastckpt.dcp.reader as reader_module
 
+    name = "read_dcp_index" if indexed else "read_dcp_metadata"
     parsed = []
-    real = reader_module.read_dcp_metadata
-    monkeypatch.setattr(reader_module, "read_dcp_metadata", lambda folder: parsed.append(folder) or real(folder))
+    real = getattr(reader_module, name)
+    monkeypatch.setattr(reader_module, name, lambda folder: parsed.append(folder) or real(folder))
     reader = fastckpt.dcp.StorageReader(saved)
+    reader.use_index = indexed
     first = reader.read_metadata()
     state = full_state()
     got = template(state)

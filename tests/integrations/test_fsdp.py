@@ -236,7 +236,7 @@ def test_model_only_save_is_the_one_process_folder(runs, one_thread, tmp_path, k
                                                          rf"{'.index.json' if split else ''}\), not a DCP checkpoint"):
         from fastckpt._io.dcp.consolidate import consolidate
 
-        consolidate(folder, tmp_path / "hf")
+        consolidate(folder, tmp_path / "hf", max_shard_size=None)
     assert main(["consolidate", str(folder), str(tmp_path / "hf")]) == 2
 
 
@@ -283,7 +283,7 @@ def test_collective_rounds_do_not_grow_with_the_world_size(runs):
 
 
 def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_again(runs):
-    """Plan caching (issue 20.2): the resave of an unchanged state runs no global planning on the coordinator; new
+    """Plan caching (issue 20.2, 28): the resave of an unchanged state runs no planning round on any rank; new
     optimizer state and new parameter shapes are planned again, and every save loads back bit-exact."""
     _, results = runs
     for w in (2, 4):
@@ -291,11 +291,31 @@ def test_an_unchanged_state_reuses_the_cached_plan_and_a_changed_one_is_planned_
             assert res["scenario_plan_cache"] is None, (w, rank, res["scenario_plan_cache"])
             for name in ("cache_first", "cache_new_optimizer_state", "cache_new_values", "cache_new_shapes"):
                 assert res[name]["same"] is True, (w, rank, name, res[name])
+        # no planning round at all when every rank's plans are the cached ones (the agreement rides on the save's
+        # own "state" round); a part whose plans changed anywhere runs DCP's planning round again
+        for rank, res in enumerate(results[w]):
+            assert res["cache_unchanged"]["rounds"] == 0 and res["cache_new_values"]["rounds"] == 0, (w, rank, res)
+            assert res["cache_new_optimizer_state"]["rounds"] >= 1, (w, rank, res)  # (the first save's plans may
+            assert res["cache_new_shapes"]["rounds"] >= 1, (w, rank, res)  # be cached by an earlier scenario's)
         coordinator = results[w][0]
         assert coordinator["cache_unchanged"]["planned"] == 0, coordinator["cache_unchanged"]
         assert coordinator["cache_new_values"]["planned"] == 0, coordinator["cache_new_values"]
         for name in ("cache_new_optimizer_state", "cache_new_shapes"):
             assert coordinator[name]["planned"] >= 1, (name, coordinator[name])
+
+
+def test_replicated_values_are_read_once_per_replica_group(runs):
+    """A 2- and 4-process FSDP2 load: AdamW's ``step`` (replicated on every rank) and the tiny model's unsharded
+    buffer are read by one rank and sent to the others; the ranks read fewer bytes in total than when each reads
+    its own, and both loads equal the one-process reference bit for bit."""
+    _, results = runs
+    for w in (2, 4):
+        once = [res["read_once_True"] for res in results[w]]
+        each = [res["read_once_False"] for res in results[w]]
+        assert all(r["same"] is True for r in once + each), (w, once, each)
+        assert sum(r["received"] for r in once) > 0 and sum(r["received"] for r in each) == 0, (w, once, each)
+        assert sum(r["read"] for r in once) < sum(r["read"] for r in each), (w, once, each)
+        assert sum(r["read"] + r["received"] for r in once) >= sum(r["read"] for r in each), (w, once, each)
 
 
 # -- s3:// (the 2-process run saved and loaded under s3_prefix on the session's moto server) ----------------------
@@ -356,13 +376,14 @@ def test_s3_model_only_sharded_save_is_the_one_process_save(runs, s3_prefix, fet
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_s3_sharded_load_fetches_on_each_rank_only_the_model_shards_it_reads(runs, s3_prefix, fetch, kind):
-    """Loaded in the saved placement, rank r fetches the small files, each part's metadata and its own model shard
+    """Loaded in the saved placement, rank r fetches the small files, each part's chunk index and its own model shard
     (FSDP2 shards every parameter along dim 0), plus rank 0's where a replicated value lives there (the tiny
     model's ``scale`` buffer is not sharded: DCP writes it once, on rank 0); rank 0 never needs rank 1's."""
     _, results = runs
     with fetch(f"{s3_prefix}/{kind}") as folder:
         manifest = json.loads((folder / "fastckpt.json").read_text())
-    small = sorted([*manifest["files"], *(f"{p}/dcp_metadata.json" for p in manifest["sharded"]["parts"])])
+    # each part's chunk index, not its full dcp_metadata.json (left for tools)
+    small = sorted([*manifest["files"], *(f"{p}/dcp_index.bin" for p in manifest["sharded"]["parts"])])
     for rank, res in enumerate(results[2]):
         fetched = res[f"s3_fetched_{kind}"]
         model = sorted(n for n in fetched if n.startswith("model/shard-"))

@@ -43,7 +43,7 @@ from fastckpt._format.json_input import decode_json, load_json
 from fastckpt.errors import DtypeError, HeaderError
 
 __all__ = ["METADATA_FILE", "FORMAT", "ChunkLocation", "ParsedMetadata", "metadata_json", "parse_metadata",
-           "is_plain_file_name"]
+           "is_plain_file_name", "storage_meta_json"]
 
 METADATA_FILE = "dcp_metadata.json"
 FORMAT = "fastckpt-dcp"
@@ -110,23 +110,27 @@ def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], 
                                        "size": [int(s) for s in md.size], "chunks": out_chunks}}
         else:
             entries[fqn] = {"object": objects[fqn]}
-    meta = metadata.storage_meta
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "dcp_version": getattr(metadata, "version", None),
         "state_dict": entries,
         "planner_data": encode(metadata.planner_data, path="planner_data"),
-        "storage_meta": None if meta is None else {
-            "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
-            "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules),
-        },
+        "storage_meta": storage_meta_json(metadata),
     }
     text = json.dumps(doc, allow_nan=False)
     if len(text) > _core.MAX_DCP_METADATA_BYTES:  # what parse_metadata would refuse: not committed
         raise ValueError(f"{METADATA_FILE} would be {len(text)} characters ({len(entries)} entries), over the "
                          f"{_core.MAX_DCP_METADATA_BYTES} its reader accepts; nothing was committed")
     return text
+
+
+def storage_meta_json(metadata: Metadata) -> dict[str, Any] | None:
+    meta = metadata.storage_meta
+    return None if meta is None else {
+        "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+        "save_id": meta.save_id, "load_id": meta.load_id, "modules": list(meta.modules),
+    }
 
 
 def _ints(value: Any, where: str, what: str) -> list[int]:

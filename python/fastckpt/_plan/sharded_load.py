@@ -108,7 +108,8 @@ def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> N
 
     from fastckpt._plan.sharded_save import run_dcp
 
-    run_dcp(dcp.load, dest, session, storage_reader=reader)
+    planner = reader.load_planner() if hasattr(reader, "load_planner") else None  # plans with the chunk index
+    run_dcp(dcp.load, dest, session, storage_reader=reader, planner=planner)
 
 
 def _read_json(folder: Path, name: str, what: str, record: Any = None) -> Any:

@@ -9,9 +9,11 @@ Session` step, so a process that died or never called it makes the others raise 
    through a ``flock``ed lock file, see :mod:`fastckpt._io.storage.local.staging`); its path goes to every rank.
 3. ``state``: every rank takes its sharded state (see :mod:`fastckpt._state.sharded`); a rank that cannot stops all.
 4. DCP ``save`` of each part into its subfolder of the staging folder (``model/``, ``model_1/``, ``optimizer/``,
-   ...; fastckpt.dcp's ``StorageWriter(commit=False)``: safetensors shards + ``dcp_metadata.json``), on a gloo
-   group whose collectives time out (DCP's own planning: each replicated tensor is written once, each shard by its
-   owner). Model parts hold the fqns as keys (``fastckpt consolidate`` reads ``model/``); optimizer parts hold
+   ...; fastckpt.dcp's ``StorageWriter(commit=False)``: safetensors shards, ``dcp_index.bin``,
+   ``dcp_metadata.json``), on a gloo group whose collectives time out (DCP's own planning: each replicated tensor
+   is written once, each shard by its owner). Each rank plans its parts locally before step 3's round and reports
+   there whether each plan is the cached one of the previous save; a part unchanged on every rank is written
+   without DCP's planning round (:mod:`fastckpt._plan.dcp_resave`). Model parts hold the fqns as keys (``fastckpt consolidate`` reads ``model/``); optimizer parts hold
    ``state.{fqn}.{name}``.
 5. ``written``: every rank's outcome and RNG states to the main process, which writes the scheduler and optimizer
    JSON, ``config.json``, one ``random_states_{rank}.safetensors`` per rank and the manifest (``"sharded"`` says
@@ -53,6 +55,7 @@ from fastckpt._io.storage.local.commit import check_target
 from fastckpt._io.storage.local.layout import part_name, random_states_name
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
 from fastckpt._io.storage.object.sharded import ObjectSave
+from fastckpt._plan.dcp_resave import plan_locally, write_cached
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_commit import assemble_model_files, commit_local, commit_remote, full_model_states
 from fastckpt._state.hf_files import hf_model_files
@@ -90,7 +93,11 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
 
     try:
         if session.active:
-            call(state, process_group=timeout_group(session.timeout), **storage)
+            group = timeout_group(session.timeout)
+            reader = storage.get("storage_reader")
+            if reader is not None and getattr(reader, "process_group", False) is None:
+                reader.process_group = group  # boxes read once and shared travel over the same group
+            call(state, process_group=group, **storage)
         else:
             with warnings.catch_warnings():  # "assuming the intent is to save/load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
@@ -98,27 +105,46 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
     except CheckpointException as exc:
         failures = getattr(exc, "failures", None) or {}
         rank = session.rank
-        if failures and rank not in failures:  # DCP raises on every rank: name the one where it happened
-            from fastckpt.errors import CheckpointError
+        own = failures.get(rank)
+        peer = getattr(own[0] if isinstance(own, tuple) else own, "shared_read_peer", None)
+        if failures and (rank not in failures or peer in failures):  # DCP raises on every rank: name the one
+            from fastckpt.errors import CheckpointError  # where it happened (or the one reading for this rank)
 
-            other = min(failures)
+            other = peer if peer in failures else min(failures)
             cause = failures[other][0] if isinstance(failures[other], tuple) else failures[other]
             raise CheckpointError(f"{session.what} failed on process {other}: {type(cause).__name__}: {cause}; "
                                   "nothing was changed on any process") from exc
         raise original_error(exc) from exc
 
 
-def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], where: Callable[[str], Path | str],
-              writer_factory: WriterFactory, durable: bool, threads: int, session: Session) -> dict[str, Any]:
-    """DCP-save every part into ``where(part)`` (``staging/{part}``, or its ``s3://`` prefix); returns the written
-    files (coordinator) as ``part/name``."""
+def _part_writers(parts: dict[str, dict[str, torch.Tensor]], where: Callable[[str], Path | str],
+                  writer_factory: WriterFactory, durable: bool, threads: int) -> dict[str, tuple[Any, Any]]:
+    """``{part: (DCP storage writer, planner)}``: the writer into ``where(part)``, its planner caching per part."""
+    out = {}
+    for sub in parts:
+        writer = writer_factory(where(sub), durable, threads)
+        out[sub] = (writer, writer.save_planner(sub) if hasattr(writer, "save_planner") else None)
+    return out
+
+
+def _plan_parts(parts: dict[str, dict[str, torch.Tensor]], writers: dict[str, tuple[Any, Any]],
+                session: Session) -> list[bool]:
+    """Each part planned locally (several processes only): whether this rank's plan of it is the cached one."""
+    if not session.active:
+        return [False] * len(parts)
+    return [plan_locally(state, *writers[sub], is_coordinator=session.rank == 0) for sub, state in parts.items()]
+
+
+def _dcp_save(parts: dict[str, dict[str, torch.Tensor]], writers: dict[str, tuple[Any, Any]], unchanged: list[bool],
+              session: Session) -> dict[str, Any]:
+    """DCP-save every part with its writer (a part unchanged on every rank without a planning round, see
+    :mod:`fastckpt._plan.dcp_resave`); returns the written files (coordinator) as ``part/name``."""
     import torch.distributed.checkpoint as dcp
 
     files: dict[str, Any] = {}
-    for sub, state in parts.items():
-        writer = writer_factory(where(sub), durable, threads)
-        planner = writer.save_planner(sub) if hasattr(writer, "save_planner") else None  # plans cached per part
-        run_dcp(dcp.save, state, session, storage_writer=writer, planner=planner)
+    for (sub, state), cached in zip(parts.items(), unchanged):
+        writer, planner = writers[sub]
+        run_dcp(write_cached if cached else dcp.save, state, session, storage_writer=writer, planner=planner)
         files.update({f"{sub}/{name}": entry for name, entry in (getattr(writer, "files", None) or {}).items()})
     return files
 
@@ -230,9 +256,12 @@ def save_sharded(
                 parts[base] = tensors
                 optimizer_texts.append(text)
             texts = _small_files(models, optimizer_texts, schedulers, model_only=model_only) if session.rank == 0 else {}
+            writers = _part_writers(parts, where, writer_factory, durable, threads)
+            votes = _plan_parts(parts, writers, session)  # DCP's local plans: each part's unchanged or not
         except Exception as exc:
             error = exc
-        session.agree(error, step="state")
+            votes = [False] * len(parts)
+        unchanged = session.agree(error, step="state", votes=votes)  # this round carries the votes: no extra one
 
         dcp_files: dict[str, Any] = {}
         full: list[dict[str, torch.Tensor]] = []
@@ -241,7 +270,7 @@ def save_sharded(
                 if gather_full:
                     full = full_model_states(models)
                 else:
-                    dcp_files = _dcp_save(parts, where, writer_factory, durable, threads, session)
+                    dcp_files = _dcp_save(parts, writers, unchanged or [False] * len(parts), session)
         except Exception as exc:
             error = exc
         rng = None

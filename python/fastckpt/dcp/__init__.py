@@ -22,7 +22,9 @@ a mismatch on any rank raises on every rank before any rank reads); pass ``plann
 
 A folder holds ``shard-{rank:05d}-of-{world:05d}.safetensors`` (each rank's chunks; tied weights stored once),
 ``dcp_metadata.json`` (DCP's global metadata as JSON: dtypes, sizes, chunk boxes, where each chunk lives, the
-non-tensor values; see :mod:`fastckpt._format.dcp_metadata`) and ``fastckpt.json`` (the manifest: sizes and
+non-tensor values; see :mod:`fastckpt._format.dcp_metadata`), ``dcp_index.bin`` (the same chunks as an index a
+rank looks its boxes up in without reading every rank's entries; see :mod:`fastckpt._format.dcp_index` and
+:mod:`fastckpt.dcp.indexed`) and ``fastckpt.json`` (the manifest: sizes and
 crc32c of every file, written last; ``fastckpt verify`` checks it). No file holds a pickle. The checkpoint is
 committed in one step (staging folder beside it, fsync of every file and folder, ``commit_dir``); a save that
 fails or is killed on any rank leaves the previous folder exact. ``fastckpt consolidate`` turns such a folder
@@ -72,13 +74,18 @@ __all__ = ["StorageWriter", "StorageReader", "LoadPlanner", "SavePlanner", "save
 
 
 def original_error(exc: CheckpointException) -> BaseException:
-    """The exception a rank raised inside DCP: this process's own when it failed, else the lowest rank's."""
+    """The exception a rank raised inside DCP: this process's own when it failed (or, when it stopped because the
+    process reading shared boxes for it failed, that process's), else the lowest rank's."""
     failures = exc.failures
     if not failures:
         return exc
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     wrapped = failures.get(rank, failures[min(failures)])
-    return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    error = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    peer = getattr(error, "shared_read_peer", None)  # stopped because the rank reading for it failed: that one's
+    if peer is not None and peer in failures:
+        error = failures[peer][0] if isinstance(failures[peer], tuple) else failures[peer]
+    return error
 
 
 @contextlib.contextmanager
@@ -128,7 +135,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, threads: int = 0,
-         planner: Any = None, verify: bool = True, storage_options: dict[str, Any] | None = None) -> None:
+         planner: Any = None, verify: bool = True, storage_options: dict[str, Any] | None = None,
+         read_once: bool = True) -> None:
     """``dcp.load(state_dict, storage_reader=StorageReader(path, ...))``, raising the original error on every rank.
 
     Fills ``state_dict`` in place (tensors, DTensors of any placement, plain values), resharding as needed.
@@ -136,7 +144,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     raises on every rank before anything is read. ``verify`` (default): each rank sums every stored chunk it reads
     from and compares it with the crc32c in the folder's manifest before it fills any tensor (IntegrityError
     naming the file and tensor); with several processes another rank may already have filled its own tensors
-    when one rank's chunk is damaged (DCP's read step has no barrier between the ranks' reads).
+    when one rank's chunk is damaged (DCP's read step has no barrier between the ranks' reads). ``read_once``
+    (default): a box several processes load (replicated tensors) is read by one of them and sent to the others
+    (see :class:`StorageReader`); the checkpoint's bytes are read from storage once in total.
 
     Raises:
         MissingStateError: ``state_dict`` keys the checkpoint does not hold (every one named, with the path),
@@ -144,7 +154,8 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         HeaderError, DtypeError, ShapeMismatchError, IntegrityError, ...: what the failing rank raised.
     """
     check_location(path, "path", supported=OBJECT_SCHEMES)
-    reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options)
+    reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options,
+                           process_group=process_group, read_once=read_once)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):

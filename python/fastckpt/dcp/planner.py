@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.planner import SavePlan as _SavePlan
 from torch.distributed.checkpoint.planner import SavePlanner as _DCPSavePlanner
 
 from fastckpt.dcp.gc_pause import gc_paused
+from fastckpt.dcp.indexed import narrowed
 from fastckpt.errors import DtypeError, MissingStateError, ShapeMismatchError
 
 __all__ = ["LoadPlanner", "SavePlanner"]
@@ -22,6 +23,10 @@ class LoadPlanner(DefaultLoadPlanner):
 
     DCP gathers every rank's planning outcome before any rank reads, so a mismatch on one rank raises on every
     rank and nothing changes anywhere (the reader's own check runs per rank, just before that rank reads).
+
+    Over a folder with a chunk index (``dcp_index.bin``, :mod:`fastckpt.dcp.indexed`) it plans each tensor with the
+    stored chunks its local boxes overlap, found by binary search, instead of scanning every stored chunk: a
+    rank's planning does not grow with the number of ranks that saved.
     :func:`fastckpt.dcp.load` uses it; pass ``planner=fastckpt.dcp.LoadPlanner()`` to ``dcp.load`` for the same.
 
     Raises (from ``create_local_plan``, instead of DCP's bare ``RuntimeError`` / ``ValueError``):
@@ -44,6 +49,10 @@ class LoadPlanner(DefaultLoadPlanner):
             if isinstance(md, TensorStorageMetadata) and callable(size) and tuple(size()) != tuple(md.size):
                 raise ShapeMismatchError(f"{fqn!r} is stored with shape {list(md.size)}, the state_dict entry it "
                                          f"loads into has shape {list(size())}")
+        full = self.metadata
+        narrow = narrowed(full, self.state_dict)  # an indexed folder: only the chunks this rank's boxes overlap
+        if narrow is not None:
+            self.metadata = narrow
         try:
             return super().create_local_plan()
         except RuntimeError as exc:
@@ -57,6 +66,8 @@ class LoadPlanner(DefaultLoadPlanner):
                 f"stored); stored keys the state_dict lacks: {extra[:20] or 'none'}; remove those keys from the "
                 "state_dict, or pass LoadPlanner(allow_partial_load=True) to leave them as they are"
             ) from None
+        finally:
+            self.metadata = full
 
 
 def _properties(plan: _SavePlan) -> list[Any]:

@@ -19,6 +19,7 @@ from torch.futures import Future
 
 from fastckpt import _core
 from fastckpt._format.codec import encode
+from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, index_bytes, shard_file_name
 from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
 from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.location import check_location
@@ -31,11 +32,6 @@ from fastckpt._io.storage.object.store import OBJECT_SCHEMES, ObjectUrl, open_st
 from fastckpt.dcp.gc_pause import gc_paused
 
 __all__ = ["StorageWriter", "shard_file_name"]
-
-
-def shard_file_name(rank: int, world_size: int) -> str:
-    """``shard-00000-of-00002.safetensors``: the chunks rank ``rank`` writes (ranks count from 0)."""
-    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
 def object_groups(sizes: dict[str, int], part_size: int, concurrency: int) -> list[list[str]]:
@@ -61,11 +57,7 @@ def _object_file(file: str, k: int) -> str:
     return f"{file.removesuffix('.safetensors')}.{k:05d}.safetensors"
 
 
-def _chunk_name(fqn: str, offsets: Any, sizes: Any, full: Any) -> str:
-    offs = [int(o) for o in offsets]
-    if list(sizes) == list(full) and not any(offs):
-        return fqn
-    return f"{fqn}@{','.join(map(str, offs))}"
+_chunk_name = chunk_name
 
 
 def _view_key(t: torch.Tensor) -> tuple | None:
@@ -203,6 +195,8 @@ class StorageWriter(_DCPStorageWriter):
         folder = None
         if self.url is None:
             folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
+            if not self.commit:  # a save written from cached plans (no prepare_global_plan) makes it here
+                folder.mkdir(parents=True, exist_ok=True)
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
         tensor_items = []
@@ -265,10 +259,11 @@ class StorageWriter(_DCPStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write ``dcp_metadata.json`` (and the manifest), fsync, commit in one step."""
         with gc_paused():  # every rank's results: millions of small objects at thousands of ranks
-            text, files = self._metadata_text(metadata, results)
-        self._finish(text, files)
+            text, index, files = self._metadata_text(metadata, results)
+        self._finish(text, index, files)
 
-    def _metadata_text(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, dict]:
+    def _metadata_text(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, dict]:
+        """``(dcp_metadata.json, dcp_index.bin, {file: manifest entry})`` of the save (coordinator)."""
         chunks: dict[tuple[str, tuple[int, ...]], ChunkLocation] = {}
         objects: dict[str, Any] = {}
         files: dict[str, dict[str, Any]] = {}
@@ -283,16 +278,19 @@ class StorageWriter(_DCPStorageWriter):
                     index: MetadataIndex = r.index
                     offsets = tuple(int(o) for o in (index.offset or ()))
                     chunks[(index.fqn, offsets)] = ChunkLocation(data["file"], data["name"])
-        return metadata_json(metadata, chunks, objects).encode("utf-8"), files
+        text = metadata_json(metadata, chunks, objects).encode("utf-8")
+        return text, index_bytes(metadata, chunks, objects, len(results), text), files
 
-    def _finish(self, text: bytes, files: dict[str, dict[str, Any]]) -> None:
+    def _finish(self, text: bytes, index: bytes, files: dict[str, dict[str, Any]]) -> None:
+        files[INDEX_FILE] = {"bytes": len(index), **text_entry(index)}
         files[METADATA_FILE] = {"bytes": len(text), **text_entry(text)}
         self.files = files
         if self.url is not None:
-            self._finish_remote(text, files)
+            self._finish_remote(text, index, files)
             return
         folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
-        write_text(folder / METADATA_FILE, text, self.durable)
+        write_text(folder / INDEX_FILE, index, self.durable)
+        write_text(folder / METADATA_FILE, text, self.durable)  # last: a folder with it is complete
         if not self.commit:
             if self.durable:
                 fsync_dir(folder)
@@ -317,17 +315,17 @@ class StorageWriter(_DCPStorageWriter):
         parent, _, leaf = self.url.prefix.rpartition("/")
         return ObjectUrl(self.url.bucket, parent), leaf
 
-    def _finish_remote(self, text: bytes, files: dict[str, dict[str, Any]]) -> None:
+    def _finish_remote(self, text: bytes, index: bytes, files: dict[str, dict[str, Any]]) -> None:
         """Coordinator of an s3 save: upload ``dcp_metadata.json``, then commit the manifest object last (with
         ``commit=False`` only the upload: the outer save commits)."""
         assert self.url is not None
         store = open_store(self.url.bucket, self.storage_options)
         if not self.commit:
-            upload_texts(store, *self._save_prefix({}), {METADATA_FILE: text})
+            upload_texts(store, *self._save_prefix({}), {INDEX_FILE: index, METADATA_FILE: text})
             return
         assert self._remote is not None
         number, save_id = self._remote
-        upload_texts(store, self.url, save_id, {METADATA_FILE: text})
+        upload_texts(store, self.url, save_id, {INDEX_FILE: index, METADATA_FILE: text})
         sizes = {name: entry["bytes"] for name, entry in files.items()}
         checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
         manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)

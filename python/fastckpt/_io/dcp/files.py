@@ -4,6 +4,8 @@ chunk file against it before anything is read, and fill boxes of stored chunks b
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,13 +13,14 @@ from typing import Any
 
 from fastckpt import _core
 from fastckpt._format.dcp_boxes import box_runs
-from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata, parse_metadata
+from fastckpt._format.dcp_index import INDEX_FILE, ChunkIndex
+from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, ParsedMetadata, parse_metadata
 from fastckpt._format.dtypes import F4
 from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
 from fastckpt.errors import HeaderError, IntegrityError, MissingStateError
 
-__all__ = ["read_dcp_metadata", "open_chunk_files", "verify_chunks", "BoxRead", "read_boxes", "is_dcp_folder"]
+__all__ = ["read_dcp_metadata", "read_dcp_index", "open_chunk_files", "open_located_chunks", "verify_chunks", "BoxRead", "read_boxes", "is_dcp_folder"]
 
 
 def is_dcp_folder(folder: Path) -> bool:
@@ -44,6 +47,25 @@ def read_dcp_metadata(folder: Path) -> ParsedMetadata:
     return parse_metadata(text, str(path))
 
 
+def read_dcp_index(folder: Path) -> ChunkIndex:
+    """Open ``folder/dcp_index.bin`` (mapped: only its header and the columns looked up are read) and check its
+    header.
+
+    Raises:
+        MissingStateError: no index. HeaderError: a malformed or damaged index (names the file).
+    """
+    path = folder / INDEX_FILE
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except FileNotFoundError:
+        raise MissingStateError(f"{folder}: no {INDEX_FILE}") from None
+    except IsADirectoryError:
+        raise HeaderError(f"{path}: is a folder, not an index file") from None
+    return ChunkIndex(data, str(path))
+
+
 def open_chunk_files(folder: Path, parsed: ParsedMetadata, *, records: dict[str, Any] | None = None,
                      only: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Open every file the metadata names and check each chunk against its header; nothing is read yet.
@@ -64,20 +86,38 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata, *, records: dict[str,
             than the metadata records (names the file, the tensor and both values).
         IntegrityError: a file has another size than the manifest records (when the folder has one).
     """
-    chunks = {key: loc for key, loc in parsed.chunks.items() if only is None or loc.file in only}
-    for (fqn, _offsets), loc in chunks.items():
-        if not (folder / loc.file).exists():
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[ChunkLocation, str, list[int]]] = {}
+    for fqn, md in parsed.metadata.state_dict_metadata.items():
+        for chunk in getattr(md, "chunks", ()):
+            offsets = tuple(int(o) for o in chunk.offsets)
+            loc = parsed.chunks[(fqn, offsets)]
+            if only is None or loc.file in only:
+                chunks[(fqn, offsets)] = (loc, parsed.dtypes[fqn], [int(s) for s in chunk.sizes])
+    return open_located_chunks(folder, chunks, records=records)
+
+
+def open_located_chunks(folder: Path, chunks: dict[tuple[str, tuple[int, ...]], tuple[ChunkLocation, str, list[int]]],
+                        *, records: dict[str, Any] | None = None,
+                        opened: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Open the files holding ``chunks`` (``{(fqn, offsets): (location, safetensors dtype, sizes)}``: the chunks a
+    rank reads, or every chunk) and check each of those chunks against its file's header; nothing is read yet.
+
+    ``opened``: files opened (and checked) before, kept. Returns and raises as :func:`open_chunk_files`.
+    """
+    files: dict[str, Any] = dict(opened or {})
+    for (fqn, _offsets), (loc, _dtype, _sizes) in chunks.items():
+        if loc.file not in files and not (folder / loc.file).exists():
             raise MissingStateError(f"{folder / loc.file}: holds chunks of {fqn!r} per {METADATA_FILE} but is missing")
     if records is None:
         records = read_manifest(folder).get("files", {}) if (folder / MANIFEST).is_file() else {}
-    for name, info in records.items():
-        if name != METADATA_FILE and name in {loc.file for loc in chunks.values()}:
-            problem = recorded_size_problem(folder / name, info.get("bytes") if isinstance(info, dict) else info,
-                                            MANIFEST)
-            if isinstance(info, dict) and problem is not None:
+    wanted = {loc.file for loc, _, _ in chunks.values()} - files.keys()
+    for name in wanted:
+        info = records.get(name)
+        if isinstance(info, dict):
+            problem = recorded_size_problem(folder / name, info.get("bytes"), MANIFEST)
+            if problem is not None:
                 raise IntegrityError(problem)
-    files: dict[str, Any] = {}
-    for (fqn, _offsets), loc in chunks.items():
+    for (fqn, _offsets), (loc, _dtype, _sizes) in chunks.items():
         if loc.file not in files:
             path = folder / loc.file
             try:
@@ -86,27 +126,21 @@ def open_chunk_files(folder: Path, parsed: ParsedMetadata, *, records: dict[str,
                 raise MissingStateError(f"{path}: holds chunks of {fqn!r} per {METADATA_FILE} but is missing") from None
             except IsADirectoryError:
                 raise HeaderError(f"{path}: is a folder, not a safetensors file") from None
-    headers = {name: {t[0]: t for t in f.tensors()} for name, f in files.items()}
-    for fqn, md in parsed.metadata.state_dict_metadata.items():
-        for chunk in getattr(md, "chunks", ()):
-            offsets = tuple(int(o) for o in chunk.offsets)
-            loc = parsed.chunks[(fqn, offsets)]
-            if loc.file not in files:  # not among ``only``
-                continue
-            path = folder / loc.file
-            entry = headers[loc.file].get(loc.name)
-            if entry is None:
-                raise HeaderError(f"{path}: has no tensor {loc.name!r} (chunk of {fqn!r} at {list(offsets)})")
-            _, dtype, shape, _begin, _end = entry
-            want_dtype = parsed.dtypes[fqn]
-            want_shape = [int(s) for s in chunk.sizes]
-            if want_dtype == F4 and want_shape:
-                want_shape[-1] *= 2
-            if dtype != want_dtype or list(shape) != want_shape:
-                raise HeaderError(
-                    f"{path}: tensor {loc.name!r} is {dtype} {list(shape)}; {METADATA_FILE} records the chunk of "
-                    f"{fqn!r} at {list(offsets)} as {want_dtype} {want_shape}"
-                )
+    headers = {name: {t[0]: t for t in files[name].tensors()} for name in {loc.file for loc, _, _ in chunks.values()}}
+    for (fqn, offsets), (loc, want_dtype, sizes) in chunks.items():
+        path = folder / loc.file
+        entry = headers[loc.file].get(loc.name)
+        if entry is None:
+            raise HeaderError(f"{path}: has no tensor {loc.name!r} (chunk of {fqn!r} at {list(offsets)})")
+        _, dtype, shape, _begin, _end = entry
+        want_shape = list(sizes)
+        if want_dtype == F4 and want_shape:
+            want_shape[-1] *= 2
+        if dtype != want_dtype or list(shape) != want_shape:
+            raise HeaderError(
+                f"{path}: tensor {loc.name!r} is {dtype} {list(shape)}; {METADATA_FILE} records the chunk of "
+                f"{fqn!r} at {list(offsets)} as {want_dtype} {want_shape}"
+            )
     return files, records
 
 

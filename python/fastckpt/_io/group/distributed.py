@@ -307,22 +307,32 @@ class Session:
             raise CheckpointError(f"{self.what} failed on process 0: {outcome[1]}")
         return outcome[0]
 
-    def agree(self, error: BaseException | None, *, step: str = "agree") -> None:
-        """Raise on every rank if any rank's ``error`` is set (the own exception where it happened)."""
+    def agree(self, error: BaseException | None, *, step: str = "agree",
+              votes: list[bool] | None = None) -> list[bool] | None:
+        """Raise on every rank if any rank's ``error`` is set (the own exception where it happened).
+
+        ``votes``: yes / no answers of this rank (the same number on every rank), carried by the same round;
+        returns, on every rank, each answer and-ed over all ranks (None when no votes were given).
+        """
         if not self.active:
             if error is not None:
                 raise error
-            return
-        reports = self.gather(None if error is None else _describe(error), step=step)
+            return votes
+        reports = self.gather((None if error is None else _describe(error), votes), step=step)
         failed = None
+        combined = votes
         if reports is not None:
-            failed = next(((r, msg) for r, msg in enumerate(reports) if msg is not None), None)
-        failed = self.broadcast(failed, step=step)
+            failed = next(((r, msg) for r, (msg, _) in enumerate(reports) if msg is not None), None)
+            if votes is not None:
+                combined = [all(v is not None and len(v) == len(votes) and v[i] for _, v in reports)
+                            for i in range(len(votes))]
+        failed, combined = self.broadcast((failed, combined), step=step)
         if error is not None:
             raise error
         if failed is not None:
             rank, msg = failed
             raise CheckpointError(f"{self.what} failed on process {rank}: {msg}; nothing was changed on any process")
+        return combined
 
 
 class _Heartbeat:

@@ -82,7 +82,7 @@ _EXPECTED_RE = re.compile(  # files a load of fastckpt's layout opens: each must
     r"^(random_states_\d+\.safetensors|(model|optimizer)(_\d+)?(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
     r"|adapter_model\.safetensors|(scheduler|optimizer)(_\d+)?\.json)$"
 )
-_PART_FILE_RE = re.compile(r"^(.*\.safetensors|dcp_metadata\.json)$")  # files of a sharded save's DCP parts
+_PART_FILE_RE = re.compile(r"^(.*\.safetensors|dcp_metadata\.json|dcp_index\.bin)$")  # files of a sharded save's DCP parts
 
 
 def listed_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from fastckpt._format.dcp_index import INDEX_FILE
 from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.group.distributed import Session
 from fastckpt._io.storage.base import CheckpointView, Committed
@@ -179,9 +180,11 @@ def _eager_objects(remote: RemoteCheckpoint) -> tuple[list[str], bool]:
     if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
         return remote.names, False
 
-    def before_planning(name: str) -> bool:
+    names = set(remote.names)
+
+    def before_planning(name: str) -> bool:  # a part's index when it has one (its metadata is for tools), else that
         part, _, rest = name.partition("/")
-        return part not in parts or rest == METADATA_FILE
+        return part not in parts or rest == INDEX_FILE or (rest == METADATA_FILE and f"{part}/{INDEX_FILE}" not in names)
 
     return [n for n in remote.names if before_planning(n)], True
 
