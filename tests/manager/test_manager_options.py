@@ -135,3 +135,32 @@ def test_steps_must_not_go_back_until_a_restore(tmp_path):
     with pytest.raises(fastckpt.CheckpointError, match="after close"):
         mgr.save_now(6)
     assert sorted(p.name for p in (tmp_path / "proj" / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_4"]
+
+
+def test_a_second_process_on_the_same_memory_tier_is_refused(tmp_path):
+    # two runs of one project on one machine would silently restore each other's snapshots: the second is refused,
+    # naming the first; once the first closes, the folder is free again
+    import subprocess
+    import sys
+    import textwrap
+
+    memory = tmp_path / "mem"
+    model = torch.nn.Linear(2, 2)
+    first = fastckpt.CheckpointManager(tmp_path / "a", model, memory=memory, preemption_signals=None)
+    code = textwrap.dedent(f"""
+        import torch, fastckpt
+        from fastckpt.errors import CheckpointError
+        try:
+            fastckpt.CheckpointManager({str(tmp_path / "b")!r}, torch.nn.Linear(2, 2), memory={str(memory)!r},
+                                       preemption_signals=None)
+        except CheckpointError as exc:
+            print("refused:", exc)
+        else:
+            print("accepted")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("refused:"), out.stdout + out.stderr
+    assert f"pid {__import__('os').getpid()}" in out.stdout and str(memory) in out.stdout
+    first.close()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "accepted", out.stdout + out.stderr

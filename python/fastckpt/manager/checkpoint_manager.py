@@ -140,7 +140,7 @@ class CheckpointManager:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         root, self._memory_default = memory_root(memory, self.project, self.rank)
-        self.memory: MemoryTier | None = None if root is None else MemoryTier(root)
+        self.memory: MemoryTier | None = None if root is None else MemoryTier(root).claim()  # one run per tier
         _managers += 1  # every option checked: the same sequence on every rank
         self.durable = None
         if self.memory is not None and self.rank == 0:
@@ -428,11 +428,13 @@ class CheckpointManager:
         self._closed = True
         self.signals.uninstall()
         self.wait()
-        if clear_memory and self.memory is not None:
-            self.memory.clear()
-            if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
-                with contextlib.suppress(OSError):
-                    self.memory.root.parent.rmdir()
+        if self.memory is not None:
+            self.memory.unclaim()
+            if clear_memory:
+                self.memory.clear()
+                if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
+                    with contextlib.suppress(OSError):
+                        self.memory.root.parent.rmdir()
 
     def __enter__(self) -> CheckpointManager:
         return self

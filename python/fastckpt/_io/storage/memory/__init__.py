@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -32,6 +33,7 @@ from fastckpt._io.storage.local.folder import pinned
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, read_manifest
 from fastckpt._io.storage.local.numbering import checkpoint_numbers, remove_folders
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
+from fastckpt.errors import CheckpointError
 
 __all__ = ["REPLICAS_DIR", "MemorySave", "MemoryTier", "copy_committed", "default_memory_root", "job_id"]
 
@@ -135,6 +137,47 @@ class MemoryTier:
         self._held: dict[int, int] = {}
         self._lock = threading.Lock()  # hold / release / prune from the manager's threads
 
+    def claim(self) -> MemoryTier:
+        """Make this process the tier's only writer: an exclusive ``flock`` on ``.{root name}.owner`` beside
+        ``root``, held until :meth:`unclaim` or the process ends (SIGKILL included: the kernel drops it). Another
+        manager of this process takes the claim over (a restart inside one interpreter).
+
+        Returns: the tier itself.
+
+        Raises:
+            CheckpointError: another process holds it (two runs with one memory folder, e.g. two jobs of one
+                project on one machine without ``FASTCKPT_JOB_ID``): names the folder and that process.
+        """
+        path = self.root.parent / f".{self.root.name}.owner"
+        with _claims_lock:
+            if path in _claims:
+                return self
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise CheckpointError(
+                    f"memory tier {self.root}: another process (pid {owner}) is using it; two runs cannot share one "
+                    "memory tier: give each run its own memory= folder or FASTCKPT_JOB_ID") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            _claims[path] = fd
+        return self
+
+    def unclaim(self) -> None:
+        """Give up :meth:`claim` (the owner file is removed; nothing else is touched)."""
+        path = self.root.parent / f".{self.root.name}.owner"
+        with _claims_lock:
+            fd = _claims.pop(path, None)
+            if fd is None:
+                return
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+
     def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> MemorySave:
         """Open a staged save of ``step`` (committed as ``checkpoint_{step}``); ``name`` must be None."""
         if name is not None or model_only:
@@ -227,6 +270,10 @@ class MemoryTier:
         _rmdir(replicas)
         _rmdir(self.root)
 
+
+#: owner files this process holds (:meth:`MemoryTier.claim`): path -> the locked descriptor
+_claims: dict[Path, int] = {}
+_claims_lock = threading.Lock()
 
 #: what a tier writes in its ``checkpoints`` folder: ``checkpoint_{n}`` and the staging / trash names around it
 _OWN = re.compile(r"^(checkpoint_\d+|\.checkpoint_\d+\.fastckpt-(staging|trash)-\d+-[0-9a-f]{8}.*)$")
