@@ -22,16 +22,16 @@ from fastckpt._io.async_save.snapshot import has_device_tensors
 from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit, wait_for_saves_to
 from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.log import log_load
-from fastckpt._io.storage import resolve
-from fastckpt._io.storage.local.commit import check_target, write_checkpoint
+from fastckpt._io.storage.base import Storage
+from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.folder import RETRIES, opened_files
 from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
 from fastckpt._io.storage.local.numbering import latest_checkpoint as _latest_local
-from fastckpt._io.storage.local.numbering import next_checkpoint_dir, rotate_checkpoints
-from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target, save_remote
-from fastckpt._io.storage.object.store import remote_url
-from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered, start_tiered
+from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target
+from fastckpt._io.storage.schemes import resolve, resolve_tiered
+from fastckpt._io.storage.tiered.backend import TieredStorage
+from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered
 from fastckpt._plan.load import plan_load
 from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
@@ -324,112 +324,143 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
-    if remote is not None:
-        return _save_tiered(remote, model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
+    if remote is not None:  # local, then remote
+        tiered = resolve_tiered(output_dir, remote, project_dir=project_dir, storage_options=storage_options)
+        return _save_tiered(tiered, model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
                             project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
                             threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
                             trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
-                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget,
-                            storage_options=storage_options)
-    remote, project = remote_target(output_dir, project_dir, "output_dir")
-    if remote is not None or project is not None:
-        if share_unchanged or (async_save and is_sharded(_as_list(model, "model"))):
-            raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not supported "
-                             "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
-        check_mode(async_save)
-        finish_pending(wait=False)  # an earlier async save's failure is raised here, once
-        _check_save_args(model, threads, step, total_limit)
-        if is_sharded(_as_list(model, "model")):
-            return _save_sharded(model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
-                                 project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
-                                 threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                                 trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
-                                 timeout=timeout, storage_options=storage_options)
-        plan = build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
-                               _as_list(scheduler, "scheduler"), model_only=model_only, step=step,
-                               max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
-                               trainable_buffers=tuple(trainable_buffers), dtype=dtype, threads=threads)
+                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget)
+    storage = resolve(output_dir, project_dir=project_dir, storage_options=storage_options)
+    if storage.tier == "remote":  # object storage uploads from CPU memory (or a local copy): see _save_remote
+        return _save_remote(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
+                            step=step, durable=durable, threads=threads, max_shard_size=max_shard_size,
+                            compat=compat, async_save=async_save, trainable_only=trainable_only,
+                            trainable_buffers=trainable_buffers, dtype=dtype, share_unchanged=share_unchanged,
+                            timeout=timeout, host_memory_budget=host_memory_budget)
+    return _save_local(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
+                       step=step, durable=durable, threads=threads, max_shard_size=max_shard_size, compat=compat,
+                       async_save=async_save, trainable_only=trainable_only, trainable_buffers=trainable_buffers,
+                       dtype=dtype, share_unchanged=share_unchanged, timeout=timeout,
+                       host_memory_budget=host_memory_budget)
 
-        def write_local(folder: Path) -> None:  # tensors off the CPU: a local save (host copies), then uploaded
-            save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
-                       threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
-                       trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
 
-        if async_save:  # a snapshot into the host buffer pool at the call; the upload runs on the writer thread
-            def upload(snapshot: Any, _target: Path, before_commit: Any = None, **_: Any) -> str:
-                return save_remote(remote, project, write_local, plan=snapshot, threads=threads, model_only=model_only,
-                                   total_limit=total_limit, storage_options=storage_options,
-                                   before_commit=before_commit)
+def _plan(model: Any, optimizer: Any, scheduler: Any, *, model_only: bool, step: int, max_shard_size: Any,
+          compat: Any, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any, threads: int) -> Any:
+    return build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
+                           model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat,
+                           trainable_only=trainable_only, trainable_buffers=tuple(trainable_buffers), dtype=dtype,
+                           threads=threads)
 
-            return start_async(plan, [], str(remote if remote is not None else project), async_save,
-                               write=upload, budget=host_memory_budget, snapshot_only="over s3://")
-        return save_remote(remote, project, write_local, plan=None if has_device_tensors(plan) else plan, threads=threads,
-                           model_only=model_only, total_limit=total_limit, storage_options=storage_options)
+
+def _save_local(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
+                total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
+                async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
+                share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Path | AsyncSave | str:
+    """A local save: resolve, plan, write, commit (streamed, snapshot or staged through host memory for async
+    saves and device tensors; see :mod:`fastckpt._io.async_save.modes`), then rotate."""
     check_mode(async_save)
     finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)
     timeout = check_timeout(timeout)
     models = _as_list(model, "model")
-    if output_dir is not None:
-        output_dir = check_target(output_dir)
+    save = storage.begin(model_only=model_only, step=step)
     if share_unchanged and compat is not None:
         raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
-    if is_sharded(models):
-        return _save_sharded(models, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
-                             project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
-                             threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+    if is_sharded(models):  # a sharded plan: every rank writes its shards through DCP
+        return _save_sharded(models, optimizer, scheduler, storage=storage, model_only=model_only,
+                             total_limit=total_limit, step=step, durable=durable, threads=threads,
+                             max_shard_size=max_shard_size, compat=compat, async_save=async_save,
                              trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
-                             timeout=timeout, storage_options=None)
-    plan = build_save_plan(models, _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                           model_only=model_only, step=step,
-                           max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
-                           trainable_only=trainable_only, trainable_buffers=tuple(trainable_buffers), dtype=dtype,
-                           threads=threads)
-    auto = output_dir is None
-    root = Path(project_dir if project_dir is not None else os.getcwd())
-    target = next_checkpoint_dir(root, model_only=model_only) if auto else Path(output_dir)
-    after_commit = None
-    if share_unchanged:
-        from fastckpt._plan.share import plan_sharing, previous_checkpoint
-
-        after_commit = plan_sharing(plan, models, previous_checkpoint(root, target), max_shard_size=max_shard_size,
-                                    threads=threads)
+                             timeout=timeout)
+    plan = _plan(models, optimizer, scheduler, model_only=model_only, step=step,
+                 max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
+                 trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype, threads=threads)
+    target, auto = save.target.absolute(), save.number is not None
+    after_commit = _sharing(plan, models, storage, save.target, max_shard_size, threads) if share_unchanged else None
     write = functools.partial(write_checkpoint, durable=durable, threads=threads)
 
     def after() -> None:  # after a successful commit (on the writer thread for async saves)
         if after_commit is not None:
-            after_commit(target.absolute())
-        if auto and total_limit is not None:
-            rotate_checkpoints(root, total_limit, model_only=model_only)
+            after_commit(target)
+        if total_limit is not None:
+            storage.rotate(total_limit, model_only=model_only)
 
     if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_save.modes)
-        return start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), target.absolute(),
-                           async_save, write=write, budget=host_memory_budget, auto_named=auto, after=after)
+        return start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), target, async_save,
+                           write=write, budget=host_memory_budget, auto_named=auto, after=after)
     if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
-        return submit(plan, target.absolute(), write=write, blocking=True, auto_named=auto, after=after).wait()
-    write(plan, target)
+        return submit(plan, target, write=write, blocking=True, auto_named=auto, after=after).wait()
+    save.write(plan, durable=durable, threads=threads)
+    save.commit()
     after()
-    return target.absolute()
+    return target
 
 
-def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, trainable_only: bool, dtype: Any,
+def _sharing(plan: Any, models: list, storage: Storage, target: Path, max_shard_size: Any, threads: int) -> Any:
+    from fastckpt._plan.share import plan_sharing, previous_checkpoint
+
+    return plan_sharing(plan, models, previous_checkpoint(storage.project, target), max_shard_size=max_shard_size,
+                        threads=threads)
+
+
+def _save_remote(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
+                 total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
+                 async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
+                 share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Path | AsyncSave | str:
+    """An object-store save: resolve, plan, write, commit (the manifest object last), then rotate. Tensors in CPU
+    memory are uploaded straight from it; others through a local save first; async saves upload a snapshot."""
+    if share_unchanged or (async_save and is_sharded(_as_list(model, "model"))):
+        raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not supported "
+                         "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
+    check_mode(async_save)
+    finish_pending(wait=False)  # an earlier async save's failure is raised here, once
+    _check_save_args(model, threads, step, total_limit)
+    if is_sharded(_as_list(model, "model")):
+        return _save_sharded(model, optimizer, scheduler, storage=storage, model_only=model_only,
+                             total_limit=total_limit, step=step, durable=durable, threads=threads,
+                             max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                             timeout=timeout)
+    plan = _plan(model, optimizer, scheduler, model_only=model_only, step=step, max_shard_size=max_shard_size,
+                 compat=compat, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                 threads=threads)
+
+    def write_local(folder: Path) -> None:  # tensors off the CPU: a local save (host copies), then uploaded
+        save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
+                   threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
+                   trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
+
+    def upload(plan: Any, write_local: Any = None, before_commit: Any = None) -> str:
+        save = storage.begin(model_only=model_only, step=step)
+        save.write(plan, threads=threads, write_local=write_local,
+                   **({} if before_commit is None else {"before_commit": before_commit}))
+        committed = save.commit()
+        if total_limit is not None:
+            storage.rotate(total_limit, model_only=model_only)
+        return committed.location
+
+    if async_save:  # a snapshot into the host buffer pool at the call; the upload runs on the writer thread
+        return start_async(plan, [], storage.location, async_save, budget=host_memory_budget,
+                           snapshot_only="over s3://",
+                           write=lambda snapshot, _target, before_commit=None, **_: upload(
+                               snapshot, before_commit=before_commit))
+    return upload(None if has_device_tensors(plan) else plan, write_local)
+
+
+def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, storage: Storage, trainable_only: bool, dtype: Any,
                   share_unchanged: bool, timeout: Any, **kwargs: Any) -> Path | str:
     if trainable_only or dtype is not None or share_unchanged:
         raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
                          "models yet; save the full sharded state, then `fastckpt consolidate` it")
     return save_sharded_state(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
-                              _as_list(scheduler, "scheduler"), timeout=check_timeout(timeout), **kwargs)
+                              _as_list(scheduler, "scheduler"), storage=storage, timeout=check_timeout(timeout),
+                              **kwargs)
 
 
-def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any, project_dir: Any,
-                 storage_options: Mapping[str, Any] | None, model_only: bool, total_limit: int | None,
-                 **kwargs: Any) -> TieredSave:
-    url = remote_url(remote, "remote")
-    if url is None:
-        raise ValueError(f"remote={remote!r} is not an s3:// URL; a tiered save uploads to object storage")
-    local, project = remote_target(output_dir, project_dir, "output_dir")
-    if local is not None or project is not None:
-        raise ValueError("with remote=, output_dir / project_dir are the local tier: pass local folders")
+def _save_tiered(storage: TieredStorage, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any,
+                 project_dir: Any, model_only: bool, total_limit: int | None, **kwargs: Any) -> TieredSave:
+    """A local save (any mode), then its upload to the remote tier in the background."""
     if is_sharded(_as_list(model, "model")):
         raise ValueError("a tiered save of sharded (DTensor / FSDP2) models is not supported (the local tier would "
                          "need a folder every process shares); save to output_dir='s3://...' directly: every "
@@ -438,9 +469,7 @@ def _save_tiered(remote: str, model: Any, optimizer: Any, scheduler: Any, *, out
     saved = save_state(model, optimizer, scheduler, output_dir=output_dir, project_dir=project_dir,
                        model_only=model_only, total_limit=total_limit, **kwargs)
     assert isinstance(saved, (Path, AsyncSave))
-    root = Path(project_dir if project_dir is not None else os.getcwd()).absolute() if output_dir is None else None
-    return start_tiered(saved, url, project_root=root, model_only=model_only, total_limit=total_limit,
-                        storage_options=storage_options)
+    return storage.upload(saved, model_only=model_only, total_limit=total_limit)
 
 
 def load_state(

@@ -9,7 +9,6 @@ every rank from the one save the main process picked (:func:`load_sharded`).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,6 @@ from typing import Any
 from fastckpt._io.group.distributed import Session, process_rank
 from fastckpt._io.storage.base import Storage
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.local.numbering import next_checkpoint_dir, rotate_checkpoints
-from fastckpt._io.storage.object.api import remote_target
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
@@ -47,10 +44,9 @@ def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *,
     return fastckpt.dcp.StorageReader(folder, threads=threads, verify=verify, checksums=checksums)
 
 
-def save_sharded_state(models: list, optimizers: list, schedulers: list, *, output_dir: Any, model_only: bool,
-                       project_dir: Any, total_limit: int | None, step: int, durable: bool, threads: int,
-                       max_shard_size: Any, compat: Any, async_save: bool, timeout: float,
-                       storage_options: Mapping[str, Any] | None = None) -> Path | str:
+def save_sharded_state(models: list, optimizers: list, schedulers: list, *, storage: Storage, model_only: bool,
+                       total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any,
+                       compat: Any, async_save: bool, timeout: float) -> Path | str:
     """Save sharded models (and their optimizers, schedulers) from every rank; returns the committed folder (an
     ``s3://`` ``output_dir`` / ``project_dir``: the checkpoint's URL)."""
     for name, value in (("max_shard_size", None if model_only else max_shard_size), ("compat", compat)):
@@ -64,23 +60,21 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, outp
     if async_save:
         raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
                          "save with async_save=False")
-    url, project = remote_target(output_dir, project_dir, "output_dir")
-    if url is not None or project is not None:
-        remote = ObjectSave(url, project if url is None else None, model_only=model_only,
-                            storage_options=storage_options)
+    if storage.tier == "remote":  # every rank writes its shards straight to object storage; the main one commits
+        url, project, options = storage.url, storage.project, storage.storage_options
+        remote = ObjectSave(url, project if url is None else None, model_only=model_only, storage_options=options)
         saved = save_sharded(models, optimizers, schedulers, target=remote, model_only=model_only, step=step,
                              durable=durable, threads=threads, timeout=timeout, max_shard_size=max_shard_size,
-                             writer_factory=functools.partial(dcp_storage_writer, storage_options=storage_options))
+                             writer_factory=functools.partial(dcp_storage_writer, storage_options=options))
         if url is None and total_limit is not None and process_rank() == 0:
             remote.rotate(total_limit)
         return saved
-    root = Path(project_dir if project_dir is not None else os.getcwd())
-    target = next_checkpoint_dir(root, model_only=model_only) if output_dir is None else Path(output_dir)
-    path = save_sharded(models, optimizers, schedulers, target=target.absolute(), model_only=model_only,
+    target = storage.begin(model_only=model_only, step=step).location
+    path = save_sharded(models, optimizers, schedulers, target=Path(target).absolute(), model_only=model_only,
                         step=step, durable=durable, threads=threads, timeout=timeout,
                         writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
-    if output_dir is None and total_limit is not None and process_rank() == 0:
-        rotate_checkpoints(root, total_limit)
+    if total_limit is not None and process_rank() == 0:
+        storage.rotate(total_limit)  # the full checkpoints (a named folder is never rotated)
     return path
 
 

@@ -236,7 +236,7 @@ def test_model_only_save_is_the_one_process_folder(runs, one_thread, tmp_path, k
                                                          rf"{'.index.json' if split else ''}\), not a DCP checkpoint"):
         from fastckpt._io.dcp.consolidate import consolidate
 
-        consolidate(folder, tmp_path / "hf")
+        consolidate(folder, tmp_path / "hf", max_shard_size=None)
     assert main(["consolidate", str(folder), str(tmp_path / "hf")]) == 2
 
 

@@ -21,6 +21,7 @@ use crate::layout::FileLayout;
 use crate::pool;
 use crate::progress::{PieceSource, Progress};
 use crate::source::TensorSource;
+pub use crate::source::{ReadyFn, ReadyGate};
 use crate::sys;
 use crate::temp_file::{parent_dir, TempFile};
 
@@ -59,21 +60,6 @@ impl Default for WriteOptions {
             #[cfg(test)]
             start_barrier: None,
         }
-    }
-}
-
-/// Called by a worker before it writes a chunk, with the `(address, length)` of the source memory of each of the
-/// chunk's contiguous pieces; returns once those bytes hold their final values (or an error, which fails the
-/// write). Lets chunk k be written while the copy of chunk k+1 into its source buffer is still running.
-#[derive(Clone)]
-pub struct ReadyGate(pub std::sync::Arc<ReadyFn>);
-
-/// The function a [`ReadyGate`] wraps.
-pub type ReadyFn = dyn Fn(&[(usize, usize)]) -> Result<()> + Send + Sync;
-
-impl std::fmt::Debug for ReadyGate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ReadyGate(..)")
     }
 }
 

@@ -65,15 +65,19 @@ def remote_scheme(path: Any, what: str) -> str | None:
     return check_location(path, what, supported=tuple(s for s in SCHEMES if s is not None))
 
 
-def resolve_tiered(local: Storage, remote: Any, *, storage_options: Mapping[str, Any] | None = None) -> Storage:
-    """``local`` (a local folder or project) in front of the object storage ``remote`` (an ``s3://`` URL).
+def resolve_tiered(location: str | os.PathLike[str] | None, remote: Any, *,
+                   project_dir: str | os.PathLike[str] | None = None,
+                   storage_options: Mapping[str, Any] | None = None) -> TieredStorage:
+    """The local folder (or project) ``location`` in front of the object storage ``remote`` (an ``s3://`` URL):
+    a tiered save (``save_state(..., remote=)``).
 
     Raises:
-        ValueError: ``remote`` is not an ``s3://`` URL, or ``local`` is not a local folder.
+        ValueError: ``remote`` is not an ``s3://`` URL, or ``location`` / ``project_dir`` are not local folders.
     """
     url = remote_url(remote, "remote")
     if url is None:
         raise ValueError(f"remote={remote!r} is not an s3:// URL; a tiered save uploads to object storage")
+    local = resolve(location, project_dir=project_dir, what="output_dir")
     if not isinstance(local, LocalStorage):
         raise ValueError("with remote=, output_dir / project_dir are the local tier: pass local folders")
     return TieredStorage(local, ObjectStorage(url, None, storage_options))

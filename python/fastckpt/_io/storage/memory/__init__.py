@@ -148,7 +148,7 @@ class MemoryTier:
         return [Committed(str(f), n, n) for n, f in sorted(checkpoint_numbers(self.root).items())]
 
     @contextlib.contextmanager
-    def open(self, ref: Committed | None = None, *, verify: bool = True,
+    def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
              threads: int = 0) -> Iterator[CheckpointView]:
         """A pinned view of ``ref`` (None: the newest); every byte read through it is checked when ``verify``.
 
@@ -164,11 +164,27 @@ class MemoryTier:
             ref = found[-1]
         folder = Path(ref.location)
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
-            yield CheckpointView(str(folder), handle, read_manifest(handle), tier=self.tier)
+            yield CheckpointView(str(folder), handle, folder, read_manifest(handle), tier=self.tier)
+
+    def open_shared(self, *, model_only: bool = False, timeout: float = 0.0,
+                    what: str = "") -> contextlib.AbstractContextManager[CheckpointView]:
+        """:meth:`open` of the newest: a memory tier belongs to one process, there is nothing to share."""
+        return self.open(model_only=model_only)
 
     def remove(self, ref: Committed) -> None:
         """Remove one committed checkpoint (renamed away first, so it stops counting at once)."""
         remove_folders([Path(ref.location)])
+
+    def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
+        """Keep the newest ``total_limit`` committed checkpoints (and held ones); returns the removed locations."""
+        if total_limit < 1:
+            raise ValueError(f"total_limit must be >= 1, got {total_limit}")
+        with self._lock:
+            numbers = checkpoint_numbers(self.root)
+            keep = set(sorted(numbers)[-total_limit:]) | set(self._held)
+            gone = [f for n, f in numbers.items() if n not in keep]
+            remove_folders(gone)
+        return [str(f) for f in gone]
 
     def hold(self, step: int) -> None:
         """Keep ``checkpoint_{step}`` through later commits until :meth:`release` (a copy reads it)."""
