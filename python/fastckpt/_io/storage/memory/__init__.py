@@ -173,7 +173,7 @@ class MemoryTier:
         """
         folder = self._newest(ref, model_only)
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
-            yield CheckpointView(str(folder), handle, read_manifest(handle), tier=self.tier)
+            yield CheckpointView(str(folder), handle, folder, read_manifest(handle), tier=self.tier)
 
     @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:
