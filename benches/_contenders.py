@@ -111,7 +111,7 @@ def _restore_target(b: Bench) -> None:
         return
     for per_param in b.target.optimizer.state.values():
         for k, v in per_param.items():
-            if isinstance(v, torch.Tensor) and v.numel() > 1:
+            if isinstance(v, torch.Tensor):  # every one: a 1-element `step` view alone keeps the whole file mapped
                 per_param[k] = v.clone()
 
 
@@ -282,7 +282,9 @@ def _load_contenders() -> list[Contender]:
 
 def contenders(workload: Workload) -> list[Contender]:
     """The contenders that apply to ``workload`` (the single tensor has no optimizer and no tied weights)."""
-    every = _save_contenders() + _load_contenders()
+    from benches._peers import peer_contenders
+
+    every = _save_contenders() + _load_contenders() + peer_contenders(Contender, _cache)
     return [c for c in every if not (c.gpt_only and workload.single_tensor) and (workload.peers or not c.peer)]
 
 
@@ -307,6 +309,10 @@ def prepare_sources(b: Bench) -> None:
         if b.state.optimizer is not None:
             obj["optimizer"] = b.state.optimizer.state_dict()
         torch.save(obj, src / "torch" / "state.pt")
+    if b.workload.peers and not b.workload.single_tensor:
+        from benches._peers import prepare_peer_sources
+
+        prepare_peer_sources(b)
     b.sources["raw"] = src / "raw.bin"
     raw_write(state_tensors(b.state), b.sources["raw"])
     fsync_tree(src)

@@ -19,7 +19,7 @@ import torch
 
 __all__ = [
     "Timing", "timed", "PeakRss", "fsync_tree", "drop_caches", "warm_cache", "dir_bytes", "raw_write",
-    "raw_read", "machine_description", "RAW_CHUNK",
+    "raw_read", "machine_description", "RAW_CHUNK", "resident_bytes",
 ]
 
 #: Bytes per write / read call of the raw baseline: 64 MiB, large enough that the call overhead vanishes.
@@ -119,7 +119,8 @@ def dir_bytes(path: pathlib.Path) -> int:
 def drop_caches(paths: list[pathlib.Path], *, whole: bool = False) -> str:
     """Make the next read of ``paths`` come from the disk. Returns how.
 
-    ``"fadvise"`` (the default): ``sync``, then ``POSIX_FADV_DONTNEED`` on every file under ``paths``: a cold
+    ``"fadvise"`` (the default): ``sync``, then ``POSIX_FADV_DONTNEED`` on every file under ``paths``, checked
+    with ``mincore`` (:func:`resident_bytes`: at most 1 % may stay resident, else RuntimeError): a cold
     checkpoint in a process whose code is warm, as for a job that resumes. ``whole=True`` (root only, else it falls
     back to fadvise): ``echo 3 > /proc/sys/vm/drop_caches``, which also evicts the libraries' code pages, so the
     first calls after it page code back in from the disk (a cost no checkpoint format controls).
@@ -132,14 +133,59 @@ def drop_caches(paths: list[pathlib.Path], *, whole: bool = False) -> str:
             return "drop_caches"
         except OSError:
             pass
+    for _attempt in range(2):
+        for path in paths:
+            for p in _files(path):
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        resident, total = resident_bytes(paths)
+        if resident <= total // 100:
+            return "fadvise"
+        import gc
+
+        gc.collect()  # a mapping still alive (a lazily loaded tensor) pins its pages: free it and try again
+    raise RuntimeError(f"{resident:,} of {total:,} bytes of {[str(p) for p in paths]} stay in the page cache after "
+                       "POSIX_FADV_DONTNEED (mapped by a live object?): the load would not be cold")
+
+
+def resident_bytes(paths: list[pathlib.Path]) -> tuple[int, int]:
+    """(bytes of the files under ``paths`` in the page cache, their total bytes), by ``mincore`` over a fresh
+    read-only mapping of each file: the check that a cold load really starts cold."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = total = 0
     for path in paths:
         for p in _files(path):
+            size = p.stat().st_size
+            total += size
+            if not size:
+                continue
             fd = os.open(p, os.O_RDONLY)
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    raise OSError(ctypes.get_errno(), f"mmap of {p}")
+                try:
+                    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+                    if libc.mincore(addr, size, vec) != 0:
+                        raise OSError(ctypes.get_errno(), f"mincore of {p}")
+                    raw = bytes(vec)
+                    resident += (len(raw) - raw.count(0)) * page
+                finally:
+                    libc.munmap(addr, size)
             finally:
                 os.close(fd)
-    return "fadvise"
+    return min(resident, total), total
 
 
 def warm_cache(paths: list[pathlib.Path]) -> None:

@@ -54,11 +54,13 @@ WORKLOADS: dict[str, Workload] = {
     "gpt-2GB": Workload("gpt-2GB", _gpt(12, 1024, 32768)),        # 185M params, 2.2 GB
     "gpt-4GB": Workload("gpt-4GB", _gpt(12, 1536, 32768)),        # 392M params, 4.7 GB
     "gpt-8GB": Workload("gpt-8GB", _gpt(12, 2048, 32768)),        # 672M params, 8.1 GB
+    # GPT-2 small itself (12 layers, width 768, vocabulary 50257): 124M params, 593 state tensors, 1.5 GB of state
+    "gpt2-small": Workload("gpt2-small", _gpt(12, 768, 50257), peers=True),
     "tensor-2GB": Workload("tensor-2GB", tensor_numel=512 << 20, peers=True),  # one fp32 tensor of 2 GiB
     "tensor-1GB": Workload("tensor-1GB", tensor_numel=256 << 20),  # one fp32 tensor of 1 GiB
     "llama-1.2GB": Workload("llama-1.2GB", llama_layers=1),  # 202M bf16 params + AdamW moments: 1.21 GB
 }
-DEFAULT_WORKLOADS = ["gpt-256MB", "gpt-1GB", "gpt-2GB", "tensor-2GB"]
+DEFAULT_WORKLOADS = ["gpt-256MB", "gpt-1GB", "gpt2-small", "gpt-2GB", "tensor-2GB"]
 LARGE_WORKLOADS = ["gpt-4GB", "gpt-8GB"]
 
 

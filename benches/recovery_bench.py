@@ -97,6 +97,7 @@ def main() -> None:
     print(f"state: {nbytes / 1e6:.1f} MB (8 x Linear({args.width}, {args.width}) + AdamW), {args.steps} steps a round, "
           f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
     try:
+        t0 = time.perf_counter()
         ratios, plain_s, managed_s, costs = [], [], [], []
         step = 1
         for r in range(args.rounds):
@@ -113,6 +114,7 @@ def main() -> None:
             plain_s.append(times["plain"] / args.steps)
             managed_s.append(times["managed"] / args.steps)
 
+        print(f"loop rounds done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         restore_ratios, restore_s, memcpy_s = [], [], []
         scratch = [torch.empty_like(t) for t in tensors]
         for d, s in zip(scratch, tensors):
@@ -136,15 +138,17 @@ def main() -> None:
             restore_s.append(times["restore"])
             memcpy_s.append(times["memcpy"])
 
+        print(f"loop and restore rounds done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         shutil.rmtree(memory, ignore_errors=True)
         mgr = fastckpt.CheckpointManager(work / "cont", model, opt, continuous=True, memory=memory, keep=1)
         saves = []
         began = time.perf_counter()
-        for n in range(1, 4 * args.steps + 1):
+        for n in range(1, 2 * args.steps + 1):
             train(model, opt, batch)
             if mgr.step(n):
                 saves.append(time.perf_counter() - began)
         mgr.close()
+        print(f"continuous done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         gaps = [b - a for a, b in zip(saves, saves[1:])]
         store_us = store_read_us()
     finally:

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from benches._contenders import Bench, Contender, contenders, prepare_sources  # noqa: E402
 from benches._measure import machine_description  # noqa: E402
+from benches._peers import peer_table  # noqa: E402
 from benches._report import Row, round_table, summarize, table, targets  # noqa: E402
 from benches._workloads import (  # noqa: E402
     DEFAULT_WORKLOADS,
@@ -39,6 +40,7 @@ from benches._workloads import (  # noqa: E402
     model_bytes,
     state_bytes,
 )
+from benches.disk_probe import describe, probe  # noqa: E402
 
 MARKER = "<!-- Everything below this line is kept when run.py rewrites the file. -->"
 #: Contenders that need a second state in memory, skipped when it does not fit.
@@ -123,12 +125,14 @@ def run_workload(name: str, root: pathlib.Path, rounds: int, only: list[str], lo
     return [row for row in rows.values() if row.timings], notes
 
 
-def render(results, notes: list[str], header: list[str]) -> list[str]:
+def render(results, notes: list[str], header: list[str], disk: dict | None = None) -> list[str]:
     key = ["fastckpt save_state full", "fastckpt load_state existing (cold)", "fastckpt save_state async"]
     return [
         *header, "", *table(results), "", "### Targets", "", *targets(results), "",
         "### Per-round ratios (each against the baseline measured in the same round)", "",
         *round_table(results, key), "",
+        "### The fastest loaders (weights only; `vs best`: the best peer's time over fastckpt's, per round, median)",
+        "", *([describe(disk), ""] if disk else []), *peer_table(results, disk), "",
         *(["### Notes", "", *[f"- {n}" for n in notes], ""] if notes else []),
     ]
 
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(pathlib.Path(__file__).with_name("RESULTS.md")))
     parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     parser.add_argument("--quiet", action="store_true", help="no per-round lines")
+    parser.add_argument("--no-probe", action="store_true", help="skip the disk probe (benches/disk_probe.py)")
     args = parser.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w] + (LARGE_WORKLOADS if args.large else [])
     unknown = [w for w in names if w not in WORKLOADS]
@@ -157,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     started, t0 = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter()
     rows, notes = [], []
+    disk = None if args.no_probe else probe(root / "probe")
+    if disk is not None:
+        log(describe(disk))
     try:
         for name in names:
             r, n = run_workload(name, root, args.rounds, only, log)
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "`x raw`: GB/s against the raw sequential baseline of the same round and cache; `x acc`: accelerate's time "
         "over this one's (speedup), same round.",
     ]
-    text = render(results, notes, header)
+    text = render(results, notes, header, disk)
     print("\n".join(text))
     if not args.no_write:
         out = pathlib.Path(args.output)

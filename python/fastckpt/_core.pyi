@@ -312,6 +312,10 @@ class SafetensorsFile:
             TruncatedFileError, OSError: the file shrank or cannot be read.
         """
 
+    def prefetch(self, *, max_bytes: int = ...) -> None:
+        """Start reading the tensors' bytes (at most ``max_bytes``) into the page cache without waiting
+        (``posix_fadvise(WILLNEED)``); nothing when they look cached or the file is closed."""
+        ...
     def verify(self, tensors: Sequence[tuple[str, int]], *, file_crc32c: int | None = None,
                recorded_in: str = "fastckpt.json", threads: int = 0,
                summed: Sequence[tuple[str, int]] | None = None) -> tuple[int, int]:

@@ -33,6 +33,7 @@ pub mod layout;
 pub mod limits;
 pub mod pool;
 pub mod progress;
+mod readahead;
 pub mod reader;
 pub mod source;
 mod sys;

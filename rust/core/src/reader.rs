@@ -7,6 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::{MmapMut, MmapOptions};
@@ -16,6 +17,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::file_open::open_file_as;
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
+use crate::readahead::{looks_cached, willneed, with_readahead};
 
 /// One positional read: (file offset, destination, index of the tensor's name).
 type ReadJob<'a> = (u64, &'a mut [u8], usize);
@@ -160,6 +162,21 @@ impl SafetensorsFile {
         self.map.is_some()
     }
 
+    /// Start reading the data section into the page cache (at most `max_bytes` of it) without waiting, unless it
+    /// looks cached already: a load that will touch every tensor of a mapped file (`load_file`) then finds the
+    /// pages arriving from many large reads in flight instead of faulting them in one readahead window at a time.
+    /// A closed file is not hinted.
+    pub fn prefetch(&self, max_bytes: u64) {
+        let Ok(file) = self.handle("prefetch") else {
+            return;
+        };
+        let start = self.header.data_start;
+        let len = self.file_size.saturating_sub(start).min(max_bytes);
+        if len > 0 && !looks_cached(&file, start, len) {
+            willneed(&file, start, len);
+        }
+    }
+
     /// Drop the file handle (the mapping stays). `read_into` fails afterwards.
     pub fn close(&self) {
         self.file.lock().expect("file lock").take();
@@ -254,7 +271,7 @@ impl SafetensorsFile {
             ));
         }
         let file = self.handle("read_into")?;
-        let mut jobs: Vec<Mutex<Option<ReadJob<'_>>>> = Vec::new();
+        let mut flat: Vec<ReadJob<'_>> = Vec::new();
         let mut names = Vec::with_capacity(targets.len());
         for (name, offset, buf) in targets {
             let info = self.tensor(&name)?;
@@ -273,14 +290,15 @@ impl SafetensorsFile {
             }
             let start = self.header.data_start + info.begin + offset;
             for (k, piece) in buf.chunks_mut(chunk_bytes as usize).enumerate() {
-                jobs.push(Mutex::new(Some((
-                    start + k as u64 * chunk_bytes,
-                    piece,
-                    names.len(),
-                ))));
+                flat.push((start + k as u64 * chunk_bytes, piece, names.len()));
             }
             names.push(name);
         }
+        // In file order, so the device sees one sweep (and the readahead hints run ahead of it); the pieces of
+        // one target stay in order, as the crc32c combine below needs.
+        flat.sort_by_key(|(offset, _, _)| *offset);
+        let jobs: Vec<Mutex<Option<ReadJob<'_>>>> =
+            flat.into_iter().map(|j| Mutex::new(Some(j))).collect();
         let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
         let spans: Vec<(usize, usize)> = jobs
             .iter()
@@ -290,23 +308,36 @@ impl SafetensorsFile {
                 (*t, piece.len())
             })
             .collect();
-        pool::run::<(), _>(threads, jobs.len(), None, |_, j| {
-            let (offset, piece, t) = jobs[j]
-                .lock()
-                .expect("job lock")
-                .take()
-                .expect("each job once");
-            let what = || format!("tensor {:?}", names[t]);
-            if !sum {
-                return self.read_exact_at(&file, piece, offset, what);
-            }
-            let mut crc = 0u32;
-            for (k, part) in piece.chunks_mut(PIECE).enumerate() {
-                self.read_exact_at(&file, part, offset + (k * PIECE) as u64, what)?;
-                crc = crc32c_append(crc, part);
-            }
-            sums[j].set(crc).expect("each job once");
-            Ok(())
+        let ranges: Vec<(u64, u64)> = jobs
+            .iter()
+            .map(|j| {
+                let job = j.lock().expect("job lock");
+                let (offset, piece, _) = job.as_ref().expect("not run yet");
+                (*offset, *offset + piece.len() as u64)
+            })
+            .collect();
+        with_readahead(&file, &ranges, |done| {
+            pool::run::<(), _>(threads, jobs.len(), None, |_, j| {
+                let (offset, piece, t) = jobs[j]
+                    .lock()
+                    .expect("job lock")
+                    .take()
+                    .expect("each job once");
+                let len = piece.len() as u64;
+                let what = || format!("tensor {:?}", names[t]);
+                if !sum {
+                    self.read_exact_at(&file, piece, offset, what)?;
+                } else {
+                    let mut crc = 0u32;
+                    for (k, part) in piece.chunks_mut(PIECE).enumerate() {
+                        self.read_exact_at(&file, part, offset + (k * PIECE) as u64, what)?;
+                        crc = crc32c_append(crc, part);
+                    }
+                    sums[j].set(crc).expect("each job once");
+                }
+                done.fetch_add(len, Ordering::Relaxed);
+                Ok(())
+            })
         })?;
         let mut out = vec![0u32; if sum { names.len() } else { 0 }];
         if sum {

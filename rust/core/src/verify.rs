@@ -19,11 +19,13 @@
 //! instead: its pages may have been written through views (copy-on-write), so they need not be the file's.
 
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
 use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
 use crate::error::{Error, Result};
 use crate::pool;
+use crate::readahead::with_readahead;
 use crate::reader::SafetensorsFile;
 
 /// The checksums a load expects of one file, as its manifest records them.
@@ -232,34 +234,35 @@ impl SafetensorsFile {
             }
         }
         let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
-        pool::run::<Vec<u8>, _>(threads, jobs.len(), None, |buf, j| {
-            let (k, range) = &jobs[j];
-            let len = (range.end - range.start) as usize;
-            // Positional reads of at most PIECE bytes into one reused buffer, each summed while it is still in
-            // the CPU cache: from the page cache this costs a cache-hot copy (no page faults of a mapping, no
-            // write to main memory), from the disk the read itself.
-            let piece = len.min(PIECE);
-            if buf.len() < piece {
-                buf.resize(piece, 0);
-            }
-            let mut crc = 0u32;
-            let mut at = 0usize;
-            while at < len {
-                let n = piece.min(len - at);
-                self.read_exact_at(
-                    &file,
-                    &mut buf[..n],
-                    range.start + at as u64,
-                    || match regions[*k].0 {
-                        Some(i) => format!("tensor {:?}", self.tensors()[i].name),
-                        None => "the header".into(),
-                    },
-                )?;
-                crc = crc32c_append(crc, &buf[..n]);
-                at += n;
-            }
-            sums[j].set(crc).expect("each job once");
-            Ok(())
+        let spans: Vec<(u64, u64)> = jobs.iter().map(|(_, r)| (r.start, r.end)).collect();
+        with_readahead(&file, &spans, |done| {
+            pool::run::<Vec<u8>, _>(threads, jobs.len(), None, |buf, j| {
+                let (k, range) = &jobs[j];
+                let len = (range.end - range.start) as usize;
+                // Positional reads of at most PIECE bytes into one reused buffer, each summed while it is still in
+                // the CPU cache: from the page cache this costs a cache-hot copy (no page faults of a mapping, no
+                // write to main memory), from the disk the read itself.
+                let piece = len.min(PIECE);
+                if buf.len() < piece {
+                    buf.resize(piece, 0);
+                }
+                let mut crc = 0u32;
+                let mut at = 0usize;
+                while at < len {
+                    let n = piece.min(len - at);
+                    self.read_exact_at(&file, &mut buf[..n], range.start + at as u64, || {
+                        match regions[*k].0 {
+                            Some(i) => format!("tensor {:?}", self.tensors()[i].name),
+                            None => "the header".into(),
+                        }
+                    })?;
+                    crc = crc32c_append(crc, &buf[..n]);
+                    at += n;
+                }
+                sums[j].set(crc).expect("each job once");
+                done.fetch_add(len as u64, Ordering::Relaxed);
+                Ok(())
+            })
         })?;
         let mut out = vec![0u32; regions.len()];
         for ((k, range), sum) in jobs.iter().zip(sums) {

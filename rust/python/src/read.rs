@@ -265,6 +265,13 @@ impl SafetensorsFile {
         Ok((done.bytes, done.tensors))
     }
 
+    /// Start reading the tensors' bytes into the page cache without waiting (`posix_fadvise(WILLNEED)`, at most
+    /// `max_bytes`; nothing when they look cached or the file is closed), for a load about to touch all of them.
+    #[pyo3(signature = (*, max_bytes = u64::MAX))]
+    fn prefetch(&self, py: Python<'_>, max_bytes: u64) {
+        py.detach(|| self.inner.prefetch(max_bytes));
+    }
+
     /// Drop the file handle; the mapping (and every view of it) stays valid.
     fn close(&self) {
         self.inner.close();

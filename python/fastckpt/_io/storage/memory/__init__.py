@@ -175,17 +175,30 @@ class MemoryTier:
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
             yield CheckpointView(str(folder), handle, folder, read_manifest(handle), tier=self.tier)
 
-    @contextlib.contextmanager
-    def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:
-        """The newest committed checkpoint of its kind, unpinned (as
-        :meth:`fastckpt._io.storage.local.backend.LocalStorage.open_shared`: the sharded load's readers open its
-        files and check each against the manifest). Raises MissingStateError when there is none."""
-        folder = self._newest(None, model_only)
-        yield CheckpointView(str(folder), folder, folder, tier=self.tier)
+    def open_shared(self, *, model_only: bool = False, timeout: float = 0.0,
+                    what: str = "") -> contextlib.AbstractContextManager[CheckpointView]:
+        """:meth:`open` of the newest: a memory tier belongs to one process, there is nothing to share."""
+        return self.open(model_only=model_only)
 
     def remove(self, ref: Committed) -> None:
         """Remove one committed checkpoint (renamed away first, so it stops counting at once)."""
         remove_folders([Path(ref.location)])
+
+    def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
+        """Keep the newest ``total_limit`` committed checkpoints of one kind (and held ones); returns the removed
+        locations.
+
+        Raises:
+            ValueError: ``total_limit`` < 1.
+        """
+        if total_limit < 1:
+            raise ValueError(f"total_limit must be >= 1, got {total_limit}")
+        with self._lock:
+            numbers = checkpoint_numbers(self.root, model_only=model_only)
+            keep = set(sorted(numbers)[-total_limit:]) | (set() if model_only else set(self._held))
+            gone = [f for n, f in numbers.items() if n not in keep]
+            remove_folders(gone)
+        return [str(f) for f in gone]
 
     def hold(self, step: int) -> None:
         """Keep ``checkpoint_{step}`` through later commits until :meth:`release` (a copy reads it)."""
@@ -199,22 +212,6 @@ class MemoryTier:
                 self._held.pop(step, None)
             else:
                 self._held[step] -= 1
-
-    def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
-        """Remove the oldest committed checkpoints of one kind (held ones stay) so that ``total_limit`` remain;
-        returns their locations.
-
-        Raises:
-            ValueError: ``total_limit`` < 1.
-        """
-        if total_limit < 1:
-            raise ValueError(f"total_limit must be >= 1, got {total_limit}")
-        with self._lock:
-            numbers = checkpoint_numbers(self.root, model_only=model_only)
-            oldest = sorted(numbers)[: max(0, len(numbers) - total_limit)]
-            removed = [numbers[n] for n in oldest if model_only or n not in self._held]
-            remove_folders(removed)
-        return [str(f) for f in removed]
 
     def prune(self, *, keep: int | None = None, model_only: bool = False) -> None:
         """Remove committed checkpoints of one kind but the newest ``self.keep`` (and ``keep``, and held ones)."""
