@@ -4,12 +4,12 @@ The Python side decides *which* tensors go where (the model-only policy, tied we
 only those to the Rust core, which writes every file of the checkpoint in one parallel pass straight from tensor
 memory. The folder is assembled in a staging folder beside the target, the manifest is written last, and the
 staging folder is put in place in one step (``fastckpt._core.commit_dir``), so a reader sees the previous
-checkpoint or the new complete one, never a mix.
+checkpoint or the new complete one, never a mix. The argument checks and the save paths per storage live in
+:mod:`fastckpt.checkpoint_impl`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from pathlib import Path
@@ -17,27 +17,29 @@ from typing import Any, Literal, Mapping, NamedTuple, Sequence, overload
 
 import torch
 
-from fastckpt._io.async_save.modes import check_mode, start_async
-from fastckpt._io.async_save.snapshot import has_device_tensors
-from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit, wait_for_saves_to
+from fastckpt._io.async_save.writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.log import log_load
-from fastckpt._io.storage.base import Storage
-from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.folder import RETRIES, opened_files
 from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
 from fastckpt._io.storage.local.numbering import latest_checkpoint as _latest_local
 from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target
 from fastckpt._io.storage.schemes import resolve, resolve_tiered
-from fastckpt._io.storage.tiered.backend import TieredStorage
-from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered
+from fastckpt._io.storage.tiered.upload import TieredSave
 from fastckpt._plan.load import plan_load
-from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import warn_unrestored
 from fastckpt._state.sharded import is_sharded
-from fastckpt.checkpoint_sharded import load_sharded, load_sharded_state, save_sharded_state
+from fastckpt.checkpoint_impl import (
+    _as_list,
+    _check_common,
+    _check_map_location,
+    _save_local,
+    _save_remote,
+    _save_tiered,
+)
+from fastckpt.checkpoint_sharded import load_sharded, load_sharded_state
 from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
@@ -63,68 +65,6 @@ class LoadResult(_Keys):
         self = super().__new__(cls, missing_keys, unexpected_keys)
         self.skipped = list(skipped or [])
         return self
-
-
-_KIND_CHECKS = {
-    "model": (lambda o: isinstance(o, torch.nn.Module), "a torch.nn.Module"),
-    "optimizer": (lambda o: isinstance(o, torch.optim.Optimizer)
-                  or (hasattr(o, "param_groups") and hasattr(o, "load_state_dict")), "a torch.optim.Optimizer"),
-    "scheduler": (lambda o: not isinstance(o, (torch.optim.Optimizer, torch.nn.Module))
-                  and hasattr(o, "state_dict") and hasattr(o, "load_state_dict"),
-                  "an LR scheduler (an object with state_dict() and load_state_dict())"),
-}
-
-
-_DATA_PARALLEL = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-
-
-def _as_list(obj: Any, kind: str) -> list:
-    """``obj`` as a list of ``kind`` objects (one, a list or tuple, or None for none).
-
-    Raises:
-        TypeError: an entry is not a ``kind`` (names its position and type; a path passed positionally is the
-            usual cause).
-    """
-    if obj is None:
-        return []
-    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    check, what = _KIND_CHECKS[kind]
-    for i, item in enumerate(items):
-        if not check(item):
-            hint = " (pass folders as output_dir= / input_dir=)" if isinstance(item, (str, os.PathLike)) else ""
-            raise TypeError(f"{kind}[{i}] is a {type(item).__name__}, expected {what}{hint}")
-    if kind == "model":  # DDP / DataParallel: the wrapped module, as accelerate's unwrap_model (no ``module.`` keys)
-        items = [m.module if isinstance(m, _DATA_PARALLEL) else m for m in items]
-    return items
-
-
-def _check_common(threads: int) -> None:
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
-
-
-def _check_save_args(model: Any, threads: int, step: int, total_limit: int | None) -> None:
-    if model is None:
-        raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to save")
-    _check_common(threads)
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
-        raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
-    if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
-                                    or total_limit < 1):
-        raise ValueError(f"total_limit must be an int >= 1 (or None to keep every checkpoint), got {total_limit!r}")
-
-
-def _check_map_location(map_location: Any) -> None:
-    if map_location is None:
-        return
-    try:
-        device = torch.device(map_location)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"map_location {map_location!r} is not a torch device: {exc}") from None
-    if device.type == "meta":
-        raise ValueError("map_location='meta' would load no data; use a real device or None")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"map_location={map_location!r} but CUDA is not available on this machine")
 
 
 # Typed overloads: ``async_save=False`` (the default) returns the committed folder, ``True`` / ``"stream"`` / ``"snapshot"`` the handle,
@@ -330,146 +270,20 @@ def save_state(
                             project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
                             threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
                             trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
-                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget)
+                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget,
+                            save_state=save_state)
     storage = resolve(output_dir, project_dir=project_dir, storage_options=storage_options)
     if storage.tier == "remote":  # object storage uploads from CPU memory (or a local copy): see _save_remote
         return _save_remote(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
                             step=step, durable=durable, threads=threads, max_shard_size=max_shard_size,
                             compat=compat, async_save=async_save, trainable_only=trainable_only,
                             trainable_buffers=trainable_buffers, dtype=dtype, share_unchanged=share_unchanged,
-                            timeout=timeout, host_memory_budget=host_memory_budget)
+                            timeout=timeout, host_memory_budget=host_memory_budget, save_state=save_state)
     return _save_local(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
                        step=step, durable=durable, threads=threads, max_shard_size=max_shard_size, compat=compat,
                        async_save=async_save, trainable_only=trainable_only, trainable_buffers=trainable_buffers,
                        dtype=dtype, share_unchanged=share_unchanged, timeout=timeout,
                        host_memory_budget=host_memory_budget)
-
-
-def _plan(model: Any, optimizer: Any, scheduler: Any, *, model_only: bool, step: int, max_shard_size: Any,
-          compat: Any, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any, threads: int) -> Any:
-    return build_save_plan(_as_list(model, "model"), _as_list(optimizer, "optimizer"), _as_list(scheduler, "scheduler"),
-                           model_only=model_only, step=step, max_shard_size=max_shard_size, compat=compat,
-                           trainable_only=trainable_only, trainable_buffers=tuple(trainable_buffers), dtype=dtype,
-                           threads=threads)
-
-
-def _save_local(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
-                total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
-                async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
-                share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Path | AsyncSave | str:
-    """A local save: resolve, plan, write, commit (streamed, snapshot or staged through host memory for async
-    saves and device tensors; see :mod:`fastckpt._io.async_save.modes`), then rotate."""
-    check_mode(async_save)
-    finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
-    _check_save_args(model, threads, step, total_limit)
-    timeout = check_timeout(timeout)
-    models = _as_list(model, "model")
-    save = storage.begin(model_only=model_only, step=step)
-    if share_unchanged and compat is not None:
-        raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
-    if is_sharded(models):  # a sharded plan: every rank writes its shards through DCP
-        return _save_sharded(models, optimizer, scheduler, storage=storage, model_only=model_only,
-                             total_limit=total_limit, step=step, durable=durable, threads=threads,
-                             max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
-                             timeout=timeout)
-    plan = _plan(models, optimizer, scheduler, model_only=model_only, step=step,
-                 max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
-                 trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype, threads=threads)
-    target, auto = save.target.absolute(), save.number is not None
-    after_commit = _sharing(plan, models, storage, save.target, max_shard_size, threads) if share_unchanged else None
-    write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-
-    def after() -> None:  # after a successful commit (on the writer thread for async saves)
-        if after_commit is not None:
-            after_commit(target)
-        if total_limit is not None:
-            storage.rotate(total_limit, model_only=model_only)
-
-    if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_save.modes)
-        return start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), target, async_save,
-                           write=write, budget=host_memory_budget, auto_named=auto, after=after)
-    if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
-        return submit(plan, target, write=write, blocking=True, auto_named=auto, after=after).wait()
-    save.write(plan, durable=durable, threads=threads)
-    save.commit()
-    after()
-    return target
-
-
-def _sharing(plan: Any, models: list, storage: Storage, target: Path, max_shard_size: Any, threads: int) -> Any:
-    from fastckpt._plan.share import plan_sharing, previous_checkpoint
-
-    return plan_sharing(plan, models, previous_checkpoint(storage.project, target), max_shard_size=max_shard_size,
-                        threads=threads)
-
-
-def _save_remote(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
-                 total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
-                 async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
-                 share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Path | AsyncSave | str:
-    """An object-store save: resolve, plan, write, commit (the manifest object last), then rotate. Tensors in CPU
-    memory are uploaded straight from it; others through a local save first; async saves upload a snapshot."""
-    if share_unchanged or (async_save and is_sharded(_as_list(model, "model"))):
-        raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not supported "
-                         "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
-    check_mode(async_save)
-    finish_pending(wait=False)  # an earlier async save's failure is raised here, once
-    _check_save_args(model, threads, step, total_limit)
-    if is_sharded(_as_list(model, "model")):
-        return _save_sharded(model, optimizer, scheduler, storage=storage, model_only=model_only,
-                             total_limit=total_limit, step=step, durable=durable, threads=threads,
-                             max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
-                             timeout=timeout)
-    plan = _plan(model, optimizer, scheduler, model_only=model_only, step=step, max_shard_size=max_shard_size,
-                 compat=compat, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
-                 threads=threads)
-
-    def write_local(folder: Path) -> None:  # tensors off the CPU: a local save (host copies), then uploaded
-        save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
-                   threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
-                   trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
-
-    def upload(plan: Any, write_local: Any = None, before_commit: Any = None) -> str:
-        save = storage.begin(model_only=model_only, step=step)
-        save.write(plan, threads=threads, write_local=write_local,
-                   **({} if before_commit is None else {"before_commit": before_commit}))
-        committed = save.commit()
-        if total_limit is not None:
-            storage.rotate(total_limit, model_only=model_only)
-        return committed.location
-
-    if async_save:  # a snapshot into the host buffer pool at the call; the upload runs on the writer thread
-        return start_async(plan, [], storage.location, async_save, budget=host_memory_budget,
-                           snapshot_only="over s3://",
-                           write=lambda snapshot, _target, before_commit=None, **_: upload(
-                               snapshot, before_commit=before_commit))
-    return upload(None if has_device_tensors(plan) else plan, write_local)
-
-
-def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, storage: Storage, trainable_only: bool, dtype: Any,
-                  share_unchanged: bool, timeout: Any, **kwargs: Any) -> Path | str:
-    if trainable_only or dtype is not None or share_unchanged:
-        raise ValueError("trainable_only, dtype and share_unchanged are not supported for sharded (DTensor / FSDP2) "
-                         "models yet; save the full sharded state, then `fastckpt consolidate` it")
-    return save_sharded_state(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
-                              _as_list(scheduler, "scheduler"), storage=storage, timeout=check_timeout(timeout),
-                              **kwargs)
-
-
-def _save_tiered(storage: TieredStorage, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any,
-                 project_dir: Any, model_only: bool, total_limit: int | None, **kwargs: Any) -> TieredSave:
-    """A local save (any mode), then its upload to the remote tier in the background."""
-    if is_sharded(_as_list(model, "model")):
-        raise ValueError("a tiered save of sharded (DTensor / FSDP2) models is not supported (the local tier would "
-                         "need a folder every process shares); save to output_dir='s3://...' directly: every "
-                         "process uploads its own shards")
-    finish_tiered()
-    saved = save_state(model, optimizer, scheduler, output_dir=output_dir, project_dir=project_dir,
-                       model_only=model_only, total_limit=total_limit, **kwargs)
-    assert isinstance(saved, (Path, AsyncSave))
-    return storage.upload(saved, model_only=model_only, total_limit=total_limit)
 
 
 def load_state(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import fastckpt
-import fastckpt.checkpoint as checkpoint_module
+import fastckpt.checkpoint_impl as checkpoint_module
 from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._plan.save import build_save_plan
 

@@ -26,7 +26,7 @@ _CHILD = """
 import resource, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
-import fastckpt.checkpoint as checkpoint_module
+import fastckpt.checkpoint_impl as checkpoint_module
 from crash_worker import build_state
 
 gate = threading.Event()

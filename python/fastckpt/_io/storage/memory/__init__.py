@@ -2,7 +2,9 @@
 folder the user names), laid out as a project (``{root}/checkpoints/checkpoint_{step}``) so that every reader of
 fastckpt reads it, and committed with the same manifest-last rule as a durable save, only without fsyncs.
 
-A :class:`MemoryTier` is a :class:`~fastckpt._io.storage.base.Storage`: :meth:`MemoryTier.begin` opens a staging
+A :class:`MemoryTier` is a :class:`~fastckpt._io.storage.base.Storage` (it runs the conformance suite,
+``tests/io/test_storage_conformance.py``; model-only snapshots go to ``{root}/model_only``, as in a project):
+:meth:`MemoryTier.begin` opens a staging
 folder owned by this process (a locked ``.checkpoint_{n}.fastckpt-staging-...`` name, removed by the next save if
 the process died), :meth:`MemorySave.write` writes the plan into it from tensor memory (the Rust writer, in
 parallel, crc32c summed on the way, the manifest last), :meth:`MemorySave.commit` puts it in place in one rename.
@@ -30,7 +32,7 @@ from fastckpt import _core
 from fastckpt._io.storage.base import CheckpointView, Committed
 from fastckpt._io.storage.local.commit import fsync_dir, write_files
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, read_manifest
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, MODEL_ONLY_DIR, read_manifest
 from fastckpt._io.storage.local.numbering import checkpoint_numbers, remove_folders
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
 from fastckpt.errors import CheckpointError
@@ -62,14 +64,16 @@ def default_memory_root(project_dir: Path, rank: int) -> Path:
 class MemorySave:
     """A save opened by :meth:`MemoryTier.begin`: a staging folder, invisible until :meth:`commit`."""
 
-    def __init__(self, tier: MemoryTier, step: int) -> None:
+    def __init__(self, tier: MemoryTier, step: int, *, model_only: bool = False) -> None:
         self.tier = tier
         self.step = step
-        self.target = tier.folder / f"checkpoint_{step}"
+        self.model_only = model_only
+        folder = tier.root / MODEL_ONLY_DIR if model_only else tier.folder
+        self.target = folder / f"checkpoint_{step}"
         self.location = str(self.target)
-        tier.folder.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(tier.folder)
-        self._owner: OwnedPath | None = OwnedPath(tier.folder, self.target.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(folder)
+        self._owner: OwnedPath | None = OwnedPath(folder, self.target.name)
         self._owner.path.mkdir()
         self.files: dict[str, int] = {}
 
@@ -107,8 +111,8 @@ class MemorySave:
         assert self._owner is not None
         self._owner.release()
         self._owner = None
-        self.tier.prune(keep=self.step)
-        return Committed(self.location, self.step, self.step)
+        self.tier.prune(keep=self.step, model_only=self.model_only)
+        return Committed(self.location, self.step, self.step, self.model_only)
 
     def abort(self) -> None:
         """Drop the staging folder (idempotent)."""
@@ -179,33 +183,38 @@ class MemoryTier:
             os.close(fd)
 
     def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> MemorySave:
-        """Open a staged save of ``step`` (committed as ``checkpoint_{step}``); ``name`` must be None."""
-        if name is not None or model_only:
-            raise ValueError("the memory tier holds full checkpoints named by step: pass step=, not name/model_only")
-        return MemorySave(self, step)
+        """Open a staged save of ``step`` (committed as ``checkpoint_{step}``, under ``model_only/`` with
+        ``model_only``); ``name`` must be None (the tier names checkpoints by step)."""
+        if name is not None:
+            raise ValueError("the memory tier names checkpoints by step: pass step=, not name")
+        return MemorySave(self, step, model_only=model_only)
 
     def list(self, *, model_only: bool = False) -> list[Committed]:
-        """The committed checkpoints, oldest first (number = step)."""
-        if model_only:
-            return []
-        return [Committed(str(f), n, n) for n, f in sorted(checkpoint_numbers(self.root).items())]
+        """The committed checkpoints of one kind, oldest first (number = step)."""
+        found = checkpoint_numbers(self.root, model_only=model_only)
+        return [Committed(str(f), n, n, model_only) for n, f in sorted(found.items())]
+
+    def _newest(self, ref: Committed | None, model_only: bool) -> Path:
+        from fastckpt.errors import MissingStateError
+
+        if ref is None:
+            found = self.list(model_only=model_only)
+            if not found:
+                what = "model-only snapshot" if model_only else "committed checkpoint"
+                raise MissingStateError(f"{self.location}: the {self.tier} tier holds no {what}")
+            ref = found[-1]
+        return Path(ref.location)
 
     @contextlib.contextmanager
     def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
              threads: int = 0) -> Iterator[CheckpointView]:
-        """A pinned view of ``ref`` (None: the newest); every byte read through it is checked when ``verify``.
+        """A pinned view of ``ref`` (None: the newest of its kind); every byte read through it is checked when
+        ``verify``.
 
         Raises:
             MissingStateError: nothing committed. HeaderError: a malformed manifest.
         """
-        from fastckpt.errors import MissingStateError
-
-        if ref is None:
-            found = self.list()
-            if not found:
-                raise MissingStateError(f"{self.location}: the {self.tier} tier holds no committed checkpoint")
-            ref = found[-1]
-        folder = Path(ref.location)
+        folder = self._newest(ref, model_only)
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
             yield CheckpointView(str(folder), handle, folder, read_manifest(handle), tier=self.tier)
 
@@ -219,12 +228,17 @@ class MemoryTier:
         remove_folders([Path(ref.location)])
 
     def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
-        """Keep the newest ``total_limit`` committed checkpoints (and held ones); returns the removed locations."""
+        """Keep the newest ``total_limit`` committed checkpoints of one kind (and held ones); returns the removed
+        locations.
+
+        Raises:
+            ValueError: ``total_limit`` < 1.
+        """
         if total_limit < 1:
             raise ValueError(f"total_limit must be >= 1, got {total_limit}")
         with self._lock:
-            numbers = checkpoint_numbers(self.root)
-            keep = set(sorted(numbers)[-total_limit:]) | set(self._held)
+            numbers = checkpoint_numbers(self.root, model_only=model_only)
+            keep = set(sorted(numbers)[-total_limit:]) | (set() if model_only else set(self._held))
             gone = [f for n, f in numbers.items() if n not in keep]
             remove_folders(gone)
         return [str(f) for f in gone]
@@ -242,10 +256,10 @@ class MemoryTier:
             else:
                 self._held[step] -= 1
 
-    def prune(self, *, keep: int | None = None) -> None:
-        """Remove committed checkpoints but the newest ``self.keep`` (and ``keep``, and held ones)."""
+    def prune(self, *, keep: int | None = None, model_only: bool = False) -> None:
+        """Remove committed checkpoints of one kind but the newest ``self.keep`` (and ``keep``, and held ones)."""
         with self._lock:
-            numbers = checkpoint_numbers(self.root)
+            numbers = checkpoint_numbers(self.root, model_only=model_only)
             newest = set(sorted(numbers)[-self.keep:]) | ({keep} if keep is not None else set()) | set(self._held)
             remove_folders([f for n, f in numbers.items() if n not in newest])
 
