@@ -14,6 +14,7 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 install: $(PY)  ## install fastckpt with the accelerate extra into $(VENV)
+	@echo "installing torch (about 5 GB on a first run) and building fastckpt's Rust core from source: 5-25 minutes, quiet"
 	$(PIP) install -q $(CONSTRAINTS) ".[accelerate]"
 
 demo: install  ## install, then run `fastckpt demo` (GPT-2 small: train, save, reload, compare with accelerate)
@@ -29,6 +30,7 @@ PYTEST_TOOLS := pytest pytest-benchmark
 BUILD_TOOLS := maturin ziglang auditwheel
 
 install-test: $(PY)  ## install fastckpt with the test dependencies and test data into $(VENV)
+	@echo "installing the test dependencies and building fastckpt's Rust core from source: 5-25 minutes, quiet"
 	$(PIP) install -q $(CONSTRAINTS) ".[test]" $(TEST_DATA)
 
 rust-test:  ## cargo tests of the Rust core and the object-store crate
