@@ -20,11 +20,19 @@ def work():
     return {n: measure(n, 2) for n in (64, 128, 256)}
 
 
-@pytest.mark.parametrize("step", ["global plan", "writer", "manifest", "coordinator total", "rank metadata parse"])
+@pytest.mark.parametrize("step", ["global plan", "writer", "manifest", "coordinator total",
+                                  "rank metadata parse, full metadata"])
 def test_doubling_the_ranks_at_most_doubles_the_coordinators_work(work, step):
     for n in (64, 128):
         small, large = work[n][step][0], work[2 * n][step][0]
         assert large <= 2.2 * small, (step, n, small, large)
+
+
+def test_a_ranks_index_read_and_load_plan_do_not_grow_with_the_ranks(work):
+    # issue 28: one rank's load side through dcp_index.bin is independent of N (calls per doubling <= 1.1x)
+    for n in (64, 128):
+        small, large = work[n]["rank index read + load plan"][0], work[2 * n]["rank index read + load plan"][0]
+        assert large <= 1.1 * small, (n, small, large)
 
 
 def test_a_cached_plan_costs_less_than_planning(work):

@@ -103,6 +103,7 @@ class LocalStorage:
     def __init__(self, folder: str | os.PathLike[str] | None = None,
                  project_dir: str | os.PathLike[str] | None = None) -> None:
         self.folder = None if folder is None else Path(folder)
+        self._given = folder  # as given: an empty path is refused by a save (check_target), Path("") would be "."
         self.project = Path(project_dir if project_dir is not None else os.getcwd())
         self.location = str(self.folder if self.folder is not None else self.project)
 
@@ -117,7 +118,7 @@ class LocalStorage:
         if name is not None:
             return LocalStagedSave(check_target(self.project / name), None)
         if self.folder is not None:
-            return LocalStagedSave(check_target(self.folder), None)
+            return LocalStagedSave(check_target(self._given), None)
         target = next_checkpoint_dir(self.project, model_only=model_only)
         return LocalStagedSave(target, int(target.name.rsplit("_", 1)[1]))
 
