@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.handshake import until  # noqa: E402
 from safetensors.torch import load_file
 
 import fastckpt
@@ -34,20 +35,6 @@ def start(project: Path, memory: Path, wait: bool = True) -> subprocess.Popen:
             str(EVERY)] + (["--wait"] if wait else [])
     return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV)
-
-
-def until(proc: subprocess.Popen, line: str) -> list[str]:
-    """Read the child's lines up to ``line``, letting it go on after each earlier step."""
-    seen = []
-    while True:
-        out = proc.stdout.readline()
-        assert out, f"the child ended before {line!r}: {seen} {proc.stderr.read()[-3000:]}"
-        seen.append(out.strip())
-        if out.strip() == line:
-            return seen
-        if out.startswith("step "):
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
 
 
 def finish(proc: subprocess.Popen) -> list[str]:

@@ -21,6 +21,7 @@ pytest.importorskip("pytorch_lightning")
 pytest.importorskip("torchdata")
 
 import torch  # noqa: E402
+from helpers.handshake import until  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import fastckpt  # noqa: E402
@@ -32,20 +33,6 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 def child(root: Path, tag: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HELPER), str(root), tag, *flags], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-
-
-def until(proc: subprocess.Popen, line: str) -> None:
-    """Read the child's lines up to ``line``, letting it go on after each earlier step."""
-    seen = []
-    while True:
-        out = proc.stdout.readline()
-        assert out, f"the child ended before {line!r}: {seen} {proc.stderr.read()[-3000:]}"
-        seen.append(out.strip())
-        if out.strip() == line:
-            return
-        if out.startswith("step "):
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
 
 
 def finish(proc: subprocess.Popen) -> list[str]:

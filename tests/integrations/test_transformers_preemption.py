@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.handshake import until  # noqa: E402
 from helpers.trainer_runs import run
 from safetensors.torch import load_file
 from transformers import TrainerCallback
@@ -30,20 +31,6 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HELPERS.parent) + os.
 def child(out: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HELPERS / "trainer_preempt.py"), str(out), *flags],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-
-
-def until(proc: subprocess.Popen, line: str) -> None:
-    """Read the child's lines up to ``line``, letting it go on after each earlier step."""
-    seen = []
-    while True:
-        out = proc.stdout.readline()
-        assert out, f"the child ended before {line!r}: {seen} {proc.stderr.read()[-3000:]}"
-        seen.append(out.strip())
-        if out.strip() == line:
-            return
-        if out.startswith("step "):
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
 
 
 def finish(proc: subprocess.Popen, code: int = 0) -> list[str]:
