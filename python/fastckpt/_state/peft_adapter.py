@@ -10,7 +10,6 @@ The tensors are the live ones (no copies). ``peft`` is imported only when a mode
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -62,12 +61,14 @@ def key_map(model: Any) -> dict[str, str]:
 
 def adapter_config_json(model: Any) -> str:
     """The ``adapter_config.json`` text ``PeftModel.save_pretrained`` writes for ``model``'s adapter."""
-    config = copy.deepcopy(model.peft_config[_adapter_name(model)])
-    if config.base_model_name_or_path is None:
-        inner = model.base_model if config.is_prompt_learning else model.base_model.model
-        config.base_model_name_or_path = inner.__dict__.get("name_or_path", None) or None
-    config.inference_mode = True
+    # One copy of the config, as save_pretrained makes (``to_dict``): every copy of a set may iterate in another
+    # order, so a second copy could list ``target_modules`` differently from PEFT's own file.
+    config = model.peft_config[_adapter_name(model)]
     output = config.to_dict()
+    if output["base_model_name_or_path"] is None:
+        inner = model.base_model if config.is_prompt_learning else model.base_model.model
+        output["base_model_name_or_path"] = inner.__dict__.get("name_or_path", None) or None
+    output["inference_mode"] = True
     for key, value in output.items():
         if isinstance(value, set):
             output[key] = list(value)
