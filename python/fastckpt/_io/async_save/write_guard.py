@@ -19,6 +19,13 @@ page-table walk:
   ``head + live memory + tail`` (``_core.hash_pieces``), taken before the release, is the hash of the tensor as of
   the call: the writer's hash of the bytes it wrote must equal it.
 
+The kernel's walk costs per page table entry: about a tenth of a copy of the bytes with 4 KiB pages, next to nothing
+with 2 MiB ones. So once a save has released its guards, :func:`collapse_later` asks the kernel, on a background
+thread, to back the whole 2 MiB blocks of each guarded tensor with huge pages (``MADV_COLLAPSE``, Linux 6.1+:
+the same bytes, moved by the kernel while the process runs on); later saves of the same tensors then guard them
+for almost nothing. A block is asked for once per process; a refusal (no huge page free, THP disabled) is
+ignored, and that block simply stays at 4 KiB pages.
+
 Where the kernel or the sandbox refuses (no userfaultfd, an unprivileged process under
 ``vm.unprivileged_userfaultfd=0``, seccomp, an older kernel, memory a userfaultfd cannot register, a tensor sharing
 pages with one already guarded, another save's guard), :meth:`WriteGuard.open` returns None or
@@ -31,12 +38,13 @@ import bisect
 import ctypes
 import os
 import platform
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ENABLED", "Guarded", "WriteGuard"]
+__all__ = ["ENABLED", "Guarded", "WriteGuard", "collapse_later"]
 
 #: Set to False to hash every streamed tensor at the call instead (tests of that path; kernels that misbehave).
 ENABLED = True
@@ -59,6 +67,8 @@ _UFFDIO_REGISTER = _ioc(3, 0xAA, 0x00, 32)
 _UFFDIO_UNREGISTER = _ioc(2, 0xAA, 0x01, 16)
 _UFFDIO_WRITEPROTECT = _ioc(3, 0xAA, 0x06, 24)
 _PAGEMAP_SCAN = _ioc(3, ord("f"), 16, 96)
+_HUGE = 2 << 20
+_MADV_COLLAPSE = 25
 
 _libc: Any = None
 _refused: str | None = None  # why userfaultfd is unusable in this process, once known
@@ -195,7 +205,8 @@ class WriteGuard:
         return first
 
     def close(self) -> None:
-        """Release every tensor still guarded and close the userfaultfd; idempotent."""
+        """Release every tensor still guarded and close the userfaultfd, then :func:`collapse_later` the guarded
+        memory; idempotent."""
         if self._fd < 0:
             return
         for g in self._guarded:
@@ -205,6 +216,7 @@ class WriteGuard:
         os.close(self._fd)
         os.close(self._pagemap)
         self._fd = -1
+        collapse_later([(g.start, g.length) for g in self._guarded])
 
     def _unregister(self, start: int, length: int) -> None:
         try:  # also drops the protection of the pages not written
@@ -217,3 +229,38 @@ class WriteGuard:
             self.close()
         except OSError:
             pass
+
+
+_collapse_lock = threading.Lock()
+_collapsed: set[int] = set()  # 2 MiB blocks asked for (collapsed or refused), process-wide
+_pending: list[tuple[int, int]] = []
+_collapser: threading.Thread | None = None
+
+
+def collapse_later(ranges: list[tuple[int, int]]) -> None:
+    """Ask the kernel, on a background thread, to back the whole 2 MiB blocks inside each ``(address, length)``
+    with huge pages (see the module docs); blocks asked for before are skipped. Never raises."""
+    global _collapser
+    blocks = [b for a, n in ranges for b in range(-(-a // _HUGE) * _HUGE, (a + n) // _HUGE * _HUGE, _HUGE)]
+    with _collapse_lock:
+        fresh = [b for b in blocks if b not in _collapsed]
+        if not fresh:
+            return
+        _collapsed.update(fresh)
+        _pending.extend((b, _HUGE) for b in fresh)
+        if _collapser is None:
+            _collapser = threading.Thread(target=_collapse, name="fastckpt-collapse", daemon=True)
+            _collapser.start()
+
+
+def _collapse() -> None:
+    global _collapser
+    madvise = _lib().madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    while True:
+        with _collapse_lock:
+            if not _pending:
+                _collapser = None
+                return
+            address, length = _pending.pop(0)
+        madvise(address, length, _MADV_COLLAPSE)  # ctypes releases the GIL; a refusal leaves 4 KiB pages
