@@ -106,10 +106,12 @@ def opened(c: Candidate, storage_options: Any) -> Any:
         yield f
 
 
-def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, storage_options: Any) -> Any:
-    """Phase 1 from ``c``: every byte it reads checked; returns the load plan (nothing live changed)."""
+def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, storage_options: Any,
+                 verify: bool = True) -> Any:
+    """Phase 1 from ``c``: every byte it reads checked (``verify=False``: ``c`` was checked whole by this process
+    already); returns the load plan (nothing live changed)."""
     with opened(c, storage_options) as folder:
-        with pinned(folder, verify=True, threads=threads, defer=True) as handle:
+        with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
             plan = plan_restore(handle, *objects, rank=rank)
     return plan
 
@@ -254,11 +256,15 @@ def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage
     plan = None
     if error is None:
         try:
+            # the own memory tier was summed whole by survey() in this process, and only this process writes it
+            # (MemoryTier.claim): not summed twice; a replica received from a peer or a durable one is summed here
+            verify = c.tier != "memory"
             if sharded:
-                with pinned(c.folder, verify=True, threads=threads, defer=True) as handle:
+                with pinned(c.folder, verify=verify, threads=threads, defer=True) as handle:
                     plan = plan_local_restore(handle, *objects, rank=rank, world=session.world, threads=threads)
             else:
-                plan = read_checked(c, objects, rank=rank, threads=threads, storage_options=storage_options)
+                plan = read_checked(c, objects, rank=rank, threads=threads, storage_options=storage_options,
+                                    verify=verify)
         except Exception as exc:  # noqa: BLE001 - every rank raises below
             error = exc
     if error is not None and not isinstance(error, CheckpointError):
