@@ -8,6 +8,8 @@ training is bit-identical to one plain process). Each rank's memory tier is its 
   a fresh model, optimizer and scheduler restore step 4 from each rank's memory tier: every local shard and every
   optimizer state equals the live one at the save (``torch.equal``); trained on to step 6, the full state equals
   the one-process reference of 6 steps.
+- lost: ``replicas=1``; rank 1's memory tier deleted (a replaced machine) and the durable step 4 removed: rank 1
+  restores its local shards from the peer holding its replica, the others from their memory tiers; bit-exact.
 - damaged: a flipped byte in rank 0's memory-tier model file: rank 0 warns (TierSkippedWarning naming the memory
   tier), and every rank restores step 4 from the durable tier (a normal sharded checkpoint, one collective load);
   trained on to step 6, equal to the reference.
@@ -16,6 +18,7 @@ training is bit-identical to one plain process). Each rank's memory tier is its 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -46,7 +49,8 @@ def _run(out: Path, name: str, rank: int, world: int, until: int):
     model = shard(build("tiny"))
     opt, sched = optimizer_for(model)
     mgr = fastckpt.CheckpointManager(out / name / "proj", model, opt, sched, every_n_steps=SAVE_EVERY,
-                                     memory=out / name / f"mem{rank}", timeout=60)
+                                     memory=out / name / f"mem{rank}", timeout=60,
+                                     replicas=1 if name == "fsdp_lost" else 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = mgr.restore()
@@ -59,11 +63,15 @@ def _run(out: Path, name: str, rank: int, world: int, until: int):
 
 def fsdp_scenarios(out: Path, rank: int, world: int, checks: dict) -> None:
     ref = full_state(*reference("tiny", TOTAL)[:2])
-    for name in ("fsdp_memory", "fsdp_damaged"):
+    for name in ("fsdp_memory", "fsdp_damaged", "fsdp_lost"):
         mgr, model, opt, _, _, _ = _run(out, name, rank, world, STOP)
         saved = local_state(model, opt)
+        mgr.wait()  # the replicas are in place
         mgr.signals.uninstall()  # the process "dies": the memory tier stays
         dist.barrier()
+        if name == "fsdp_lost" and rank == 0:  # rank 1's machine replaced, the durable step 4 gone too
+            shutil.rmtree(out / name / "mem1")
+            shutil.rmtree(out / name / "proj" / "checkpoints" / f"checkpoint_{STOP}")
         if name == "fsdp_damaged" and rank == 0:
             path = out / name / "mem0" / "checkpoints" / f"checkpoint_{STOP}" / "model.local_rank0.safetensors"
             data = bytearray(path.read_bytes())

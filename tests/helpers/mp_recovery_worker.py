@@ -19,7 +19,7 @@ all-reduce's summation order; with 2 processes the sum of two values does not de
 - durable_only: every memory tier deleted: every rank restores from the local durable tier.
 - continuous: ``continuous=True``: the main process proposes each save through the store when the previous one is
   durable; every rank must save at the same steps.
-- fsdp_memory / fsdp_damaged: FSDP2 states in the memory tier (tests/helpers/mp_fsdp_manager.py).
+- fsdp_memory / fsdp_damaged / fsdp_lost: FSDP2 states in the memory tier (tests/helpers/mp_fsdp_manager.py).
 """
 
 from __future__ import annotations

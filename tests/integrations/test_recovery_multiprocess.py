@@ -96,3 +96,11 @@ def test_fsdp_damaged_memory_shard_falls_back_to_the_durable_tier(run):
     assert "mem0" in warned[0] and "IntegrityError" in warned[0]
     assert all(res["fsdp_damaged_warnings"] == [] for res in results[1:])
     assert all(res["fsdp_damaged_local_equal"] is True and res["fsdp_damaged_equal"] is True for res in results)
+
+
+def test_fsdp_lost_node_restores_its_local_shards_from_a_peer_replica(run):
+    world, out, results = run
+    assert [res["fsdp_lost_restart"] for res in results] == [[4, "peer" if r == 1 else "memory"]
+                                                              for r in range(world)]
+    assert all(res["fsdp_lost_warnings"] == [] for res in results)
+    assert all(res["fsdp_lost_local_equal"] is True and res["fsdp_lost_equal"] is True for res in results)
