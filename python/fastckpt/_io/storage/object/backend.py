@@ -131,6 +131,16 @@ class ObjectStorage:
                                  tier=self.tier, checked=True)
 
     @contextlib.contextmanager
+    def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:
+        """The checkpoint read into memory, every object's size and crc32c checked against the manifest as it comes
+        in (``view.copy``: errors and warnings raised inside name the URL, not the copy)."""
+        url = self.url if ref is None else _parse(ref.location)
+        with fetched(url, self.project if url is None else None, model_only=model_only,
+                     storage_options=self.storage_options) as folder:
+            yield CheckpointView(location=self.location if ref is None else ref.location, folder=folder, path=folder,
+                                 tier=self.tier, checked=True, copy=True)
+
+    @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:
         """The main process picks the committed save (the named checkpoint, or the latest under the project);
         every process opens that save (refusing another one) and reads its small files and each part's metadata
