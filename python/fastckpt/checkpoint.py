@@ -20,10 +20,10 @@ import torch
 from fastckpt._io.async_save.writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.log import log_load
+from fastckpt._io.storage.base import newest
 from fastckpt._io.storage.local.folder import RETRIES, opened_files
 from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
-from fastckpt._io.storage.base import newest
 from fastckpt._io.storage.schemes import resolve, resolve_tiered
 from fastckpt._io.storage.tiered.upload import TieredSave
 from fastckpt._plan.load import plan_load
