@@ -23,14 +23,13 @@ from fastckpt._io.storage.local.folder import pinned
 from fastckpt._io.storage.object.api import fetched, opened, pick_remote, save_remote
 from fastckpt._io.storage.object.commit import committed_manifest, delete_checkpoint
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
-from fastckpt._io.storage.object.project import object_checkpoint_numbers, rotate_object_checkpoints
+from fastckpt._io.storage.object.project import object_checkpoints, rotate_object_checkpoints
 from fastckpt._io.storage.object.store import ObjectUrl, open_store, parse_url
 
 __all__ = ["ObjectStorage", "ObjectStagedSave"]
 
 
-def _committed(store: Any, url: ObjectUrl, number: int | None) -> Committed:
-    found = committed_manifest(store, url)
+def _committed(url: ObjectUrl, found: dict[str, Any] | None, number: int | None) -> Committed:
     manifest = {} if found is None else found["manifest"]
     step = manifest.get("step")
     return Committed(str(url), number, step if isinstance(step, int) else None, manifest.get("mode") == "model_only")
@@ -113,10 +112,11 @@ class ObjectStorage:
         """The committed checkpoints of one kind, oldest first; a named checkpoint lists itself when committed."""
         store = self.store
         if self.url is not None:
-            return [_committed(store, self.url, None)] if committed_manifest(store, self.url) is not None else []
+            found = committed_manifest(store, self.url)
+            return [_committed(self.url, found, None)] if found is not None else []
         assert self.project is not None
-        numbers = object_checkpoint_numbers(store, self.project, model_only=model_only, full_only=not model_only)
-        return [_committed(store, numbers[n], n) for n in sorted(numbers)]
+        numbers = object_checkpoints(store, self.project, model_only=model_only, full_only=not model_only)
+        return [_committed(url, found, n) for n, (url, found) in sorted(numbers.items())]
 
     @contextlib.contextmanager
     def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
