@@ -438,6 +438,8 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progr
         >>> fastckpt.verify_checkpoint("checkpoints/checkpoint_3").tensors_checked
         42
     """
+    if folder is None:  # None would name the project's newest checkpoint: verify_checkpoint wants one checkpoint
+        raise TypeError("folder is None; pass the checkpoint folder (or its s3:// URL) to verify")
     storage = resolve(folder, storage_options=storage_options, what="folder")
     with storage.as_local() as view:  # an s3:// checkpoint: fetched and checked into memory; errors name the URL
         report = _verify_local(view.path, threads=threads, progress=progress)
