@@ -275,20 +275,17 @@ class MemoryTier:
             self._remove_later([f for n, f in numbers.items() if n not in newest])
 
     def _remove_later(self, folders: list[Path]) -> None:
-        """Rename each folder to an owned trash name now (it stops counting at once) and free its pages in a
-        thread: unlinking a snapshot's files from tmpfs took about a sixth of a save's time in the manager's
-        ``step()`` (``benches/recovery_bench.py`` state, profiled). A removal cut short by the end of the process
-        is finished by the next save's cleanup of dead owners' leftovers. Call with ``self._lock`` held."""
-        owners = []
-        for folder in folders:
-            owner = OwnedPath(folder.parent, folder.name, "trash")
-            try:
-                os.rename(folder, owner.path)
-            except BaseException:
-                owner.release()
-                raise
-            owners.append(owner)
-        if owners:
+        """Rename each folder to an owned trash name now (it stops counting at once), free its pages in a thread
+        (the unlinks were a sixth of a manager's save in ``step()``); call with ``self._lock`` held."""
+        owners: list[OwnedPath] = []
+        try:
+            for folder in folders:
+                owners.append(OwnedPath(folder.parent, folder.name, "trash"))
+                os.rename(folder, owners[-1].path)
+        except BaseException:
+            _release_all(owners)
+            raise
+        if owners:  # cut short by the end of the process: a dead owner's trash, which the next save removes
             thread = threading.Thread(target=_release_all, args=(owners,), name="fastckpt-memory-prune", daemon=True)
             thread.start()
             self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
