@@ -18,7 +18,8 @@ from typing_extensions import Buffer
 
 __all__ = [
     "MAX_DCP_METADATA_BYTES", "MAX_DCP_RANK", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES", "ObjectStore",
-    "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_pieces", "hash_tensors",
+    "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_pieces",
+    "hash_tensors",
     "parse_header", "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
 ]
 

@@ -30,8 +30,8 @@ nothing is committed and the previous checkpoint stays. (The check is conservati
 written but before its step also fails the save. An in-place op running on another thread at the very moment the
 last chunk of its tensor is written may finish its version bump after the check; do not change saved tensors from
 other threads while a save runs.) Writes no version counter sees (``p.data``, ``.numpy()`` views) are caught only
-with ``hash_at_call`` (``async_save=True``): the content hashes taken at the call must match the bytes written
-(:mod:`fastckpt._io.async_save.call_hashes`).
+with ``hash_at_call`` (``async_save=True``): the write guards or content hashes taken at the call must prove the
+bytes written are the call's (:mod:`fastckpt._io.async_save.call_hashes`).
 """
 
 from __future__ import annotations
