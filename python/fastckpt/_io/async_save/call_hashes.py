@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt._io.async_save.write_guard import Guarded, WriteGuard
-from fastckpt.errors import ConcurrentModificationError
+from fastckpt.errors import CheckpointError, ConcurrentModificationError
 
 __all__ = ["CallProof", "call_hashes", "check_written"]
 
@@ -96,6 +96,7 @@ class CallProof:
         Raises:
             ConcurrentModificationError: a page of one of them was written since the call (names the tensor and
                 the byte offset); every one of them is released anyway.
+            CheckpointError: the kernel refused to say whether a page was written (names the tensor).
         """
         mine = [d for d in deferred if d.id in self.guarded and not self.guarded[d.id].released]
         if not mine or self.guard is None:
@@ -108,7 +109,14 @@ class CallProof:
         changed = []
         for d, digest in zip(mine, digests):
             g = self.guarded[d.id]
-            first = self.guard.release(g)
+            try:
+                first = self.guard.release(g)
+            except OSError as exc:  # PAGEMAP_SCAN refused after the guard was set: nothing proves the bytes
+                raise CheckpointError(
+                    f"async save to {self.target}: could not ask the kernel whether tensor {d.name!r} was written "
+                    f"after save_state returned ({exc}); nothing was committed, the previous checkpoint at "
+                    f"{self.target} (if any) is intact. Pass async_save='snapshot' to copy the state at the call."
+                ) from exc
             if first is None:
                 self.hashes[d.name] = digest
             else:
