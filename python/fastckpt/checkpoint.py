@@ -25,7 +25,7 @@ from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
 from fastckpt._io.storage.local.numbering import latest_checkpoint as _latest_local
 from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target
-from fastckpt._io.storage.schemes import resolve, resolve_tiered
+from fastckpt._io.storage.schemes import resolve
 from fastckpt._io.storage.tiered.upload import TieredSave
 from fastckpt._plan.load import plan_load
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
@@ -35,9 +35,7 @@ from fastckpt.checkpoint_impl import (
     _as_list,
     _check_common,
     _check_map_location,
-    _save_local,
-    _save_remote,
-    _save_tiered,
+    save_to,
 )
 from fastckpt.checkpoint_sharded import load_sharded, load_sharded_state
 from fastckpt.errors import CheckpointChangedError
@@ -264,26 +262,11 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
-    if remote is not None:  # local, then remote
-        tiered = resolve_tiered(output_dir, remote, project_dir=project_dir, storage_options=storage_options)
-        return _save_tiered(tiered, model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
-                            project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
-                            threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                            trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
-                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget,
-                            save_state=save_state)
-    storage = resolve(output_dir, project_dir=project_dir, storage_options=storage_options)
-    if storage.tier == "remote":  # object storage uploads from CPU memory (or a local copy): see _save_remote
-        return _save_remote(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
-                            step=step, durable=durable, threads=threads, max_shard_size=max_shard_size,
-                            compat=compat, async_save=async_save, trainable_only=trainable_only,
-                            trainable_buffers=trainable_buffers, dtype=dtype, share_unchanged=share_unchanged,
-                            timeout=timeout, host_memory_budget=host_memory_budget, save_state=save_state)
-    return _save_local(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
-                       step=step, durable=durable, threads=threads, max_shard_size=max_shard_size, compat=compat,
-                       async_save=async_save, trainable_only=trainable_only, trainable_buffers=trainable_buffers,
-                       dtype=dtype, share_unchanged=share_unchanged, timeout=timeout,
-                       host_memory_budget=host_memory_budget)
+    storage = resolve(output_dir, project_dir=project_dir, storage_options=storage_options, remote=remote)
+    return save_to(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit, step=step,
+                durable=durable, threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget)
 
 
 def load_state(

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.storage.local.layout import MANIFEST, is_committed
-from fastckpt._io.storage.local.numbering import checkpoint_numbers
+from fastckpt._io.storage.local.backend import LocalStagedSave, LocalStorage
+from fastckpt._io.storage.local.layout import MANIFEST
 from fastckpt._io.storage.local.shards import index_name, parse_size, shard_name, split_part
 from fastckpt._io.storage.local.sharing import share_with
 from fastckpt._io.tensor_hashes import content_hashes, remember
@@ -34,13 +34,10 @@ DEFAULT_FROZEN_SHARD = 2 * 10**9
 
 
 def previous_checkpoint(project_dir: Path, target: Path) -> Path | None:
-    """The checkpoint a save to ``target`` shares with: the newest committed ``checkpoint_N`` of the project other
-    than ``target``, else ``target`` itself when it is a committed checkpoint (an overwrite), else None."""
-    numbers = checkpoint_numbers(project_dir)
-    for n in sorted(numbers, reverse=True):
-        if numbers[n].absolute() != target.absolute() and (numbers[n] / MANIFEST).is_file():
-            return numbers[n]
-    return target if target.is_dir() and is_committed(target) and (target / MANIFEST).is_file() else None
+    """The checkpoint a save to ``target`` shares with
+    (:meth:`~fastckpt._io.storage.local.backend.LocalStorage.previous` of the project), or None."""
+    found = LocalStorage(None, project_dir).previous(LocalStagedSave(target, None))
+    return None if found is None else Path(found.location)
 
 
 def _groups(names: list[str], tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:

@@ -65,10 +65,20 @@ class LocalStagedSave:
     writes the plan into a staging folder and renames it into place in one step (:func:`.commit.write_checkpoint`)."""
 
     def __init__(self, target: Path, number: int | None) -> None:
-        self.target = target
-        self.location = str(target)
+        self.target = target.absolute()
+        self.location = str(self.target)
         self.number = number
         self._write: tuple[Any, dict[str, Any]] | None = None
+
+    def renumber(self, number: int) -> None:
+        """Save to ``checkpoint_{number}`` instead (an automatic name above the async saves still in flight)."""
+        assert self.number is not None
+        self.target = self.target.with_name(f"checkpoint_{number}")
+        self.location, self.number = str(self.target), number
+
+    def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
+        """What the public call returns: ``result`` (the committed folder, or the async save's handle)."""
+        return result
 
     def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> None:
         """Take ``plan``; its files are written by :meth:`commit` (``options``: ``ready``, ``progress``,
@@ -99,6 +109,8 @@ class LocalStorage:
     """
 
     tier = "local"
+    #: async saves may stream from the live tensors (see :mod:`fastckpt._io.async_save.modes`)
+    snapshot_only: str | None = None
 
     def __init__(self, folder: str | os.PathLike[str] | None = None,
                  project_dir: str | os.PathLike[str] | None = None) -> None:
@@ -121,6 +133,21 @@ class LocalStorage:
             return LocalStagedSave(check_target(self._given), None)
         target = next_checkpoint_dir(self.project, model_only=model_only)
         return LocalStagedSave(target, int(target.name.rsplit("_", 1)[1]))
+
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Every kind of save is served (sharded ones through DCP, into a folder every process shares)."""
+
+    def previous(self, save: LocalStagedSave) -> Committed | None:
+        """The checkpoint ``save`` shares unchanged files with (``share_unchanged``): the newest committed
+        ``checkpoint_N`` of the project other than the save's own folder, else that folder when it is a committed
+        checkpoint (an overwrite), else None."""
+        numbers = checkpoint_numbers(self.project)
+        for n in sorted(numbers, reverse=True):
+            if numbers[n].absolute() != save.target and (numbers[n] / MANIFEST).is_file():
+                return _committed(numbers[n], n)
+        target = save.target
+        return _committed(target, None) if target.is_dir() and is_committed(target) and (target / MANIFEST).is_file() \
+            else None
 
     def list(self, *, model_only: bool = False) -> list[Committed]:
         """The committed checkpoints of one kind (full ones: saved in full), oldest first; a named folder lists

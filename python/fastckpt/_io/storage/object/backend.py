@@ -43,6 +43,8 @@ class ObjectStagedSave:
     def __init__(self, storage: ObjectStorage, url: ObjectUrl | None, model_only: bool) -> None:
         self.storage = storage
         self.location = str(url if url is not None else storage.project)
+        self.target = self.location  # how async saves in flight name it until the commit numbers it
+        self.number = None
         self._url = url
         self._model_only = model_only
         self._write: tuple[Any, dict[str, Any]] | None = None
@@ -70,6 +72,10 @@ class ObjectStagedSave:
         """Drop the plan (nothing was uploaded: the upload happens inside :meth:`commit`)."""
         self._write = None
 
+    def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
+        """What the public call returns: ``result`` (the committed URL, or the async save's handle)."""
+        return result
+
 
 def _no_local(folder: Path) -> None:
     raise ValueError(f"{folder}: an object save without a plan needs write_local")
@@ -85,6 +91,8 @@ class ObjectStorage:
     """
 
     tier = "remote"
+    #: every async save is a snapshot: the upload (minutes, on a slow link) then reads only the copy
+    snapshot_only: str | None = "over s3://"
 
     def __init__(self, url: ObjectUrl | None, project: ObjectUrl | None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -108,6 +116,13 @@ class ObjectStorage:
             assert base is not None
             return ObjectStagedSave(self, base.child(name), model_only)
         return ObjectStagedSave(self, self.url, model_only)
+
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Raise ValueError for what an object-store save does not serve yet (before anything is written)."""
+        if share_unchanged or (async_save and sharded):
+            raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not "
+                             "supported with s3:// yet; save locally, or pass async_save=False / "
+                             "share_unchanged=False")
 
     def list(self, *, model_only: bool = False) -> list[Committed]:
         """The committed checkpoints of one kind, oldest first; a named checkpoint lists itself when committed."""
