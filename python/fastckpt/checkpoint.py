@@ -215,8 +215,8 @@ def save_state(
     Object storage: ``output_dir="s3://bucket/prefix"`` (or ``project_dir="s3://bucket/run"`` for automatic naming
     and ``total_limit`` rotation) uploads every file under a new save-id prefix straight from the tensors' memory
     (parallel multipart uploads, each part serialized into its request body as it goes out: about
-    ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first written to a
-    private local folder, then uploaded) and commits by creating ``prefix/manifests/{n}.json`` last with a
+    ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first copied into
+    the host buffer pool, as for a local save of them, and uploaded from there) and commits by creating ``prefix/manifests/{n}.json`` last with a
     conditional put; older saves' objects are deleted only after that (see
     :mod:`fastckpt._io.storage.object.commit`). With ``async_save`` (any mode) the state is copied into the host buffer
     pool at the call (a snapshot: the call costs about one memcpy of the state, CUDA tensors included) and uploaded
@@ -370,14 +370,15 @@ def load_state(
     for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
         try:
             with storage.open(model_only=model_only, verify=verify, threads=threads) as view:
-                if is_sharded_checkpoint(view.path):  # saved sharded, loaded into plain models
+                manifest = view.manifest  # read once, when the storage opened the view; handed down
+                if is_sharded_checkpoint(view.path, manifest):  # saved sharded, loaded into plain models
                     return LoadResult(*load_sharded_state(
                         view.path, models, optimizers, schedulers, model_only=model_only, strict=strict,
                         threads=threads, verify=verify and not view.checked, timeout=timeout))
                 if attempt == 0 and not model_only and not is_distributed():  # random_states_0 only is restored
                     warn_unrestored(view.path, 1)
                 plan = plan_load(view.folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                                 map_location=map_location, trust_pickle=trust_pickle, cast=cast)
+                                 map_location=map_location, trust_pickle=trust_pickle, cast=cast, manifest=manifest)
                 files = opened_files(view.folder)
             break
         except CheckpointChangedError:

@@ -21,7 +21,7 @@ from typing import Any
 from fastckpt._io.storage.base import CheckpointView, Committed
 from fastckpt._io.storage.local.commit import check_target, write_checkpoint
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, is_committed
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, is_committed, peek_manifest
 from fastckpt._io.storage.local.numbering import (
     checkpoint_numbers,
     next_checkpoint_dir,
@@ -182,7 +182,8 @@ class LocalStorage:
         when another save replaced the folder meanwhile, becomes CheckpointChangedError: open it again."""
         folder = self.locate(ref, model_only=model_only)
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
-            yield CheckpointView(location=str(folder), folder=handle, path=folder, tier=self.tier)
+            yield CheckpointView(location=str(folder), folder=handle, path=folder, manifest=peek_manifest(handle),
+                                 tier=self.tier)
 
     @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:

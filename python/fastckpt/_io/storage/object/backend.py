@@ -20,6 +20,7 @@ from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.group.distributed import Session
 from fastckpt._io.storage.base import CheckpointView, Committed
 from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.layout import peek_manifest
 from fastckpt._io.storage.object.api import fetched, opened, pick_remote, save_remote
 from fastckpt._io.storage.object.commit import committed_manifest, delete_checkpoint
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
@@ -143,7 +144,7 @@ class ObjectStorage:
                       storage_options=self.storage_options) as folder,
               pinned(folder, verify=False, threads=threads, defer=True) as handle):  # every crc32c already checked
             yield CheckpointView(location=self.location if ref is None else ref.location, folder=handle, path=folder,
-                                 tier=self.tier, checked=True)
+                                 manifest=peek_manifest(handle), tier=self.tier, checked=True)
 
     @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:
