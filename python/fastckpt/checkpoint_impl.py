@@ -23,6 +23,7 @@ from fastckpt._io.async_save.writer import committed_path, finish_pending, submi
 from fastckpt._io.group.distributed import check_timeout
 from fastckpt._io.storage.base import Storage
 from fastckpt._plan.save import build_save_plan
+from fastckpt._plan.share import split_shared
 from fastckpt._state.sharded import is_sharded
 from fastckpt.checkpoint_sharded import save_sharded_state
 
@@ -129,12 +130,11 @@ def save_to(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, mod
                      max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
                      trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
                      threads=threads)
-        after_commit = _sharing(plan, models, storage, save, max_shard_size, threads) if share_unchanged else None
+        if share_unchanged:  # the storage links what equals its previous checkpoint (see fastckpt._plan.share)
+            save.share(*split_shared(plan, models, max_shard_size=max_shard_size, threads=threads))
         options = {"durable": durable, "threads": threads}
 
         def after() -> None:  # after a successful commit (on the writer thread for async saves)
-            if after_commit is not None:
-                after_commit(save.target)
             if total_limit is not None:
                 storage.rotate(total_limit, model_only=model_only)
 
@@ -153,14 +153,6 @@ def save_to(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, mod
         save.abort()  # drop what was staged (an async save's writer owns the save once started)
         raise
     return save.returned(result, total_limit=total_limit)
-
-
-def _sharing(plan: Any, models: list, storage: Storage, save: Any, max_shard_size: Any, threads: int) -> Any:
-    from fastckpt._plan.share import plan_sharing
-
-    previous = storage.previous(save)
-    return plan_sharing(plan, models, None if previous is None else Path(previous.location),
-                        max_shard_size=max_shard_size, threads=threads)
 
 
 def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, storage: Storage, trainable_only: bool, dtype: Any,

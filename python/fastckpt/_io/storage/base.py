@@ -102,6 +102,12 @@ class StagedSave(Protocol):
         """Drop everything this save staged. Idempotent; never touches a committed checkpoint."""
         ...
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """``share_unchanged``: call ``link(previous)`` with the folder of the storage's :meth:`Storage.previous`
+        checkpoint (None: nothing to link from) before :meth:`write`; run ``after_commit(folder)`` after the
+        commit. ValueError where the backend does not serve it."""
+        ...
+
     def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
         """What the public save call returns for ``result`` (the committed folder or URL, or an async save's
         handle): ``result`` itself, or a backend's own handle (a tiered save's upload, which rotates the remote

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +64,21 @@ class LocalStagedSave:
     """A local save opened by :meth:`LocalStorage.begin`: nothing exists at ``target`` until :meth:`commit`, which
     writes the plan into a staging folder and renames it into place in one step (:func:`.commit.write_checkpoint`)."""
 
-    def __init__(self, target: Path, number: int | None) -> None:
+    def __init__(self, target: Path, number: int | None, storage: LocalStorage | None = None) -> None:
         self.target = target.absolute()
         self.location = str(self.target)
         self.number = number
+        self._storage = storage
         self._write: tuple[Any, dict[str, Any]] | None = None
+        self._after_commit: Callable[[Path], Any] | None = None
+
+    def share(self, link: Callable[[Path | None], Any], after_commit: Callable[[Path], Any]) -> None:
+        """``share_unchanged``: ``link(previous)`` marks the files of the plan equal to the storage's
+        :meth:`LocalStorage.previous` checkpoint to be hard-linked from it (None: nothing to link), before
+        :meth:`write`; ``after_commit(folder)`` runs after the commit (it remembers the written hashes)."""
+        previous = None if self._storage is None else self._storage.previous(self)
+        link(None if previous is None else Path(previous.location))
+        self._after_commit = after_commit
 
     def renumber(self, number: int) -> None:
         """Save to ``checkpoint_{number}`` instead (an automatic name above the async saves still in flight)."""
@@ -93,6 +103,8 @@ class LocalStagedSave:
         plan, options = self._write
         write_checkpoint(plan, self.target, **options)
         self._write = None
+        if self._after_commit is not None:
+            self._after_commit(self.target)
         return _committed(self.target, self.number)
 
     def abort(self) -> None:
@@ -128,11 +140,11 @@ class LocalStorage:
     def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> LocalStagedSave:
         """A save of the named folder, ``name`` inside the project, or the next ``checkpoint_{n}`` of its kind."""
         if name is not None:
-            return LocalStagedSave(check_target(self.project / name), None)
+            return LocalStagedSave(check_target(self.project / name), None, self)
         if self.folder is not None:
-            return LocalStagedSave(check_target(self._given), None)
+            return LocalStagedSave(check_target(self._given), None, self)
         target = next_checkpoint_dir(self.project, model_only=model_only)
-        return LocalStagedSave(target, int(target.name.rsplit("_", 1)[1]))
+        return LocalStagedSave(target, int(target.name.rsplit("_", 1)[1]), self)
 
     def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
         """Every kind of save is served (sharded ones through DCP, into a folder every process shares)."""

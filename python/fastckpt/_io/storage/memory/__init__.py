@@ -120,6 +120,10 @@ class MemorySave:
             self._owner.release()
             self._owner = None
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """Nothing to link from (each memory-tier save is written whole)."""
+        link(None)
+
     def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
         """What a save call returns: ``result`` as given."""
         return result

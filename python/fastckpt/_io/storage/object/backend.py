@@ -73,6 +73,10 @@ class ObjectStagedSave:
         """Drop the plan (nothing was uploaded: the upload happens inside :meth:`commit`)."""
         self._write = None
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """``share_unchanged`` is not served over ``s3://`` (:meth:`ObjectStorage.check_save` refuses it first)."""
+        raise ValueError(f"{self.location}: share_unchanged is not supported with s3:// yet")
+
     def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
         """What the public call returns: ``result`` (the committed URL, or the async save's handle)."""
         return result

@@ -45,6 +45,10 @@ class TieredStagedSave:
         """As the local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.renumber`."""
         self.local.renumber(number)
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.share`."""
+        self.local.share(link, after_commit)
+
     def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> None:
         """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.write`."""
         self.local.write(plan, durable=durable, threads=threads, **options)
