@@ -92,7 +92,7 @@ def new_accelerator():
 def held_writer(monkeypatch):
     """Make async saves' background write wait until the test sets the returned event (the caller has moved on);
     afterwards every save in flight is waited for (a failed one, which the test expected, is not raised again)."""
-    import fastckpt.checkpoint_impl as checkpoint_module
+    import fastckpt._io.storage.local.backend as checkpoint_module  # where a local save writes its plan
     from fastckpt._io.async_save import writer as async_writer
     from fastckpt.errors import CheckpointError
 

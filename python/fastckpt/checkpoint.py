@@ -24,7 +24,7 @@ from fastckpt._io.storage.base import newest
 from fastckpt._io.storage.local.folder import RETRIES, opened_files
 from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
-from fastckpt._io.storage.schemes import resolve, resolve_tiered
+from fastckpt._io.storage.schemes import resolve
 from fastckpt._io.storage.tiered.upload import TieredSave
 from fastckpt._plan.load import plan_load
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
@@ -34,9 +34,7 @@ from fastckpt.checkpoint_impl import (
     _as_list,
     _check_common,
     _check_map_location,
-    _save_local,
-    _save_remote,
-    _save_tiered,
+    save_to,
 )
 from fastckpt.checkpoint_sharded import load_sharded, load_sharded_state
 from fastckpt.errors import CheckpointChangedError
@@ -216,8 +214,8 @@ def save_state(
     Object storage: ``output_dir="s3://bucket/prefix"`` (or ``project_dir="s3://bucket/run"`` for automatic naming
     and ``total_limit`` rotation) uploads every file under a new save-id prefix straight from the tensors' memory
     (parallel multipart uploads, each part serialized into its request body as it goes out: about
-    ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first written to a
-    private local folder, then uploaded) and commits by creating ``prefix/manifests/{n}.json`` last with a
+    ``concurrency * part_size`` bytes in flight; crc32c summed on the way; tensors on a GPU are first copied into
+    the host buffer pool, as for a local save of them, and uploaded from there) and commits by creating ``prefix/manifests/{n}.json`` last with a
     conditional put; older saves' objects are deleted only after that (see
     :mod:`fastckpt._io.storage.object.commit`). With ``async_save`` (any mode) the state is copied into the host buffer
     pool at the call (a snapshot: the call costs about one memcpy of the state, CUDA tensors included) and uploaded
@@ -263,26 +261,11 @@ def save_state(
         >>> optimizer.step()  # training goes on; the checkpoint keeps the values as of the call
         >>> handle.wait()
     """
-    if remote is not None:  # local, then remote
-        tiered = resolve_tiered(output_dir, remote, project_dir=project_dir, storage_options=storage_options)
-        return _save_tiered(tiered, model, optimizer, scheduler, output_dir=output_dir, model_only=model_only,
-                            project_dir=project_dir, total_limit=total_limit, step=step, durable=durable,
-                            threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                            trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
-                            share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget,
-                            save_state=save_state)
-    storage = resolve(output_dir, project_dir=project_dir, storage_options=storage_options)
-    if storage.tier == "remote":  # object storage uploads from CPU memory (or a local copy): see _save_remote
-        return _save_remote(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
-                            step=step, durable=durable, threads=threads, max_shard_size=max_shard_size,
-                            compat=compat, async_save=async_save, trainable_only=trainable_only,
-                            trainable_buffers=trainable_buffers, dtype=dtype, share_unchanged=share_unchanged,
-                            timeout=timeout, host_memory_budget=host_memory_budget, save_state=save_state)
-    return _save_local(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit,
-                       step=step, durable=durable, threads=threads, max_shard_size=max_shard_size, compat=compat,
-                       async_save=async_save, trainable_only=trainable_only, trainable_buffers=trainable_buffers,
-                       dtype=dtype, share_unchanged=share_unchanged, timeout=timeout,
-                       host_memory_budget=host_memory_budget)
+    storage = resolve(output_dir, project_dir=project_dir, storage_options=storage_options, remote=remote)
+    return save_to(storage, model, optimizer, scheduler, model_only=model_only, total_limit=total_limit, step=step,
+                durable=durable, threads=threads, max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                share_unchanged=share_unchanged, timeout=timeout, host_memory_budget=host_memory_budget)
 
 
 def load_state(
@@ -386,14 +369,15 @@ def load_state(
     for attempt in range(RETRIES):  # another save may replace the folder while phase 1 reads it: start over
         try:
             with storage.open(model_only=model_only, verify=verify, threads=threads) as view:
-                if is_sharded_checkpoint(view.path):  # saved sharded, loaded into plain models
+                manifest = view.manifest  # read once, when the storage opened the view; handed down
+                if is_sharded_checkpoint(view.path, manifest):  # saved sharded, loaded into plain models
                     return LoadResult(*load_sharded_state(
                         view.path, models, optimizers, schedulers, model_only=model_only, strict=strict,
                         threads=threads, verify=verify and not view.checked, timeout=timeout))
                 if attempt == 0 and not model_only and not is_distributed():  # random_states_0 only is restored
                     warn_unrestored(view.path, 1)
                 plan = plan_load(view.folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                                 map_location=map_location, trust_pickle=trust_pickle, cast=cast)
+                                 map_location=map_location, trust_pickle=trust_pickle, cast=cast, manifest=manifest)
                 files = opened_files(view.folder)
             break
         except CheckpointChangedError:

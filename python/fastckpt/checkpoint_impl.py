@@ -1,19 +1,17 @@
 """The argument checks and the save paths behind :mod:`fastckpt.checkpoint` (its public functions stay there, each
 one screen: resolve, plan, write, commit; load: resolve, open, plan, apply).
 
-``_save_local`` / ``_save_remote`` / ``_save_tiered`` are the write-and-commit step of :func:`fastckpt.save_state`
-for a local folder, an object store and a tiered (local, then remote) save; the ``_check_*`` functions and
-:func:`_as_list` validate the public arguments before anything is written or read.
+:func:`save` is the plan / begin / write / commit / rotate of :func:`fastckpt.save_state`, one path for every
+backend (a local folder, an object store, a tiered save: they differ only behind the storage verbs); the
+``_check_*`` functions and :func:`_as_list` validate the public arguments before anything is written or read.
 
-May import: layers 0-4 (a public-layer module; :mod:`fastckpt.checkpoint` imports it, never the reverse: the save
-paths that save again through the public call receive ``save_state`` as an argument).
+May import: layers 0-4 (a public-layer module; :mod:`fastckpt.checkpoint` imports it, never the reverse).
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +19,11 @@ import torch
 
 from fastckpt._io.async_save.modes import check_mode, start_async
 from fastckpt._io.async_save.snapshot import has_device_tensors
-from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit
+from fastckpt._io.async_save.writer import committed_path, finish_pending, submit
 from fastckpt._io.group.distributed import check_timeout
 from fastckpt._io.storage.base import Storage
-from fastckpt._io.storage.local.commit import write_checkpoint
-from fastckpt._io.storage.tiered.backend import TieredStorage
-from fastckpt._io.storage.tiered.upload import TieredSave, finish_tiered
 from fastckpt._plan.save import build_save_plan
+from fastckpt._plan.share import split_shared
 from fastckpt._state.sharded import is_sharded
 from fastckpt.checkpoint_sharded import save_sharded_state
 
@@ -103,100 +99,60 @@ def _plan(model: Any, optimizer: Any, scheduler: Any, *, model_only: bool, step:
                            threads=threads)
 
 
-def _save_local(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
-                total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
-                async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
-                share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Path | AsyncSave | str:
-    """A local save: resolve, plan, write, commit (streamed, snapshot or staged through host memory for async
-    saves and device tensors; see :mod:`fastckpt._io.async_save.modes`), then rotate."""
+def save_to(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
+            total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
+            async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
+            share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Any:
+    """:func:`fastckpt.save_state` after ``resolve``, for every backend: plan, begin, write, commit (on the
+    writer thread for async saves and device tensors; see :mod:`fastckpt._io.async_save.modes`), then rotate;
+    returns ``save.returned(...)`` of that (the folder or URL, an ``AsyncSave``, a tiered save's ``TieredSave``)."""
     check_mode(async_save)
-    finish_pending(wait=async_save != "snapshot")  # a streaming save first waits for the one in flight
     _check_save_args(model, threads, step, total_limit)
     timeout = check_timeout(timeout)
     models = _as_list(model, "model")
+    sharded = is_sharded(models)
+    storage.check_save(sharded=sharded, async_save=async_save, share_unchanged=share_unchanged)
+    snapshot_only = storage.snapshot_only
+    # a streaming or synchronous save first waits for the saves in flight (commits in call order, fresh numbers);
+    # every save raises an earlier async save's unreported failure here, once
+    finish_pending(wait=async_save != "snapshot" and snapshot_only is None)
     save = storage.begin(model_only=model_only, step=step)
-    if share_unchanged and compat is not None:
-        raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
-    if is_sharded(models):  # a sharded plan: every rank writes its shards through DCP
-        return _save_sharded(models, optimizer, scheduler, storage=storage, model_only=model_only,
-                             total_limit=total_limit, step=step, durable=durable, threads=threads,
-                             max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
-                             timeout=timeout)
-    plan = _plan(models, optimizer, scheduler, model_only=model_only, step=step,
-                 max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
-                 trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype, threads=threads)
-    target, auto = save.target.absolute(), save.number is not None
-    after_commit = _sharing(plan, models, storage, save.target, max_shard_size, threads) if share_unchanged else None
-    write = functools.partial(write_checkpoint, durable=durable, threads=threads)
+    try:
+        if share_unchanged and compat is not None:
+            raise ValueError("share_unchanged needs fastckpt's layout (shards and hard links); pass compat=None")
+        if sharded:  # a sharded plan: every rank writes its shards through DCP
+            return _save_sharded(models, optimizer, scheduler, storage=storage, model_only=model_only,
+                                 total_limit=total_limit, step=step, durable=durable, threads=threads,
+                                 max_shard_size=max_shard_size, compat=compat, async_save=async_save,
+                                 trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
+                                 timeout=timeout)
+        plan = _plan(models, optimizer, scheduler, model_only=model_only, step=step,
+                     max_shard_size=None if share_unchanged else max_shard_size, compat=compat,
+                     trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
+                     threads=threads)
+        if share_unchanged:  # the storage links what equals its previous checkpoint (see fastckpt._plan.share)
+            save.share(*split_shared(plan, models, max_shard_size=max_shard_size, threads=threads))
+        options = {"durable": durable, "threads": threads}
 
-    def after() -> None:  # after a successful commit (on the writer thread for async saves)
-        if after_commit is not None:
-            after_commit(target)
-        if total_limit is not None:
-            storage.rotate(total_limit, model_only=model_only)
+        def after() -> None:  # after a successful commit (on the writer thread for async saves)
+            if total_limit is not None:
+                storage.rotate(total_limit, model_only=model_only)
 
-    if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_save.modes)
-        return start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), target, async_save,
-                           write=write, budget=host_memory_budget, auto_named=auto, after=after)
-    if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
-        return submit(plan, target, write=write, blocking=True, auto_named=auto, after=after).wait()
-    save.write(plan, durable=durable, threads=threads)
-    save.commit()
-    after()
-    return target
-
-
-def _sharing(plan: Any, models: list, storage: Storage, target: Path, max_shard_size: Any, threads: int) -> Any:
-    from fastckpt._plan.share import plan_sharing, previous_checkpoint
-
-    return plan_sharing(plan, models, previous_checkpoint(storage.project, target), max_shard_size=max_shard_size,
-                        threads=threads)
-
-
-def _save_remote(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, model_only: bool,
-                 total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
-                 async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
-                 share_unchanged: bool, timeout: float, host_memory_budget: Any,
-                 save_state: Callable[..., Any]) -> Path | AsyncSave | str:
-    """An object-store save: resolve, plan, write, commit (the manifest object last), then rotate. Tensors in CPU
-    memory are uploaded straight from it; others through a local save first; async saves upload a snapshot."""
-    if share_unchanged or (async_save and is_sharded(_as_list(model, "model"))):
-        raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not supported "
-                         "with s3:// yet; save locally, or pass async_save=False / share_unchanged=False")
-    check_mode(async_save)
-    finish_pending(wait=False)  # an earlier async save's failure is raised here, once
-    _check_save_args(model, threads, step, total_limit)
-    if is_sharded(_as_list(model, "model")):
-        return _save_sharded(model, optimizer, scheduler, storage=storage, model_only=model_only,
-                             total_limit=total_limit, step=step, durable=durable, threads=threads,
-                             max_shard_size=max_shard_size, compat=compat, async_save=async_save,
-                             trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
-                             timeout=timeout)
-    plan = _plan(model, optimizer, scheduler, model_only=model_only, step=step, max_shard_size=max_shard_size,
-                 compat=compat, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
-                 threads=threads)
-
-    def write_local(folder: Path) -> None:  # tensors off the CPU: a local save (host copies), then uploaded
-        save_state(model, optimizer, scheduler, output_dir=folder, model_only=model_only, step=step, durable=False,
-                   threads=threads, max_shard_size=max_shard_size, compat=compat, trainable_only=trainable_only,
-                   trainable_buffers=trainable_buffers, dtype=dtype, timeout=timeout)
-
-    def upload(plan: Any, write_local: Any = None, before_commit: Any = None) -> str:
-        save = storage.begin(model_only=model_only, step=step)
-        save.write(plan, threads=threads, write_local=write_local,
-                   **({} if before_commit is None else {"before_commit": before_commit}))
-        committed = save.commit()
-        if total_limit is not None:
-            storage.rotate(total_limit, model_only=model_only)
-        return committed.location
-
-    if async_save:  # a snapshot into the host buffer pool at the call; the upload runs on the writer thread
-        return start_async(plan, [], storage.location, async_save, budget=host_memory_budget,
-                           snapshot_only="over s3://",
-                           write=lambda snapshot, _target, before_commit=None, **_: upload(
-                               snapshot, before_commit=before_commit))
-    return upload(None if has_device_tensors(plan) else plan, write_local)
+        if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_save.modes)
+            result = start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), save, async_save,
+                                 options=options, budget=host_memory_budget, auto_named=save.number is not None,
+                                 after=after, snapshot_only=snapshot_only)
+        elif has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
+            result = submit(plan, save, options=options, blocking=snapshot_only is None,
+                            auto_named=save.number is not None, after=after).wait()
+        else:
+            save.write(plan, **options)
+            result = committed_path(save, save.commit())
+            after()
+    except BaseException:
+        save.abort()  # drop what was staged (an async save's writer owns the save once started)
+        raise
+    return save.returned(result, total_limit=total_limit)
 
 
 def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, storage: Storage, trainable_only: bool, dtype: Any,
@@ -207,18 +163,3 @@ def _save_sharded(model: Any, optimizer: Any, scheduler: Any, *, storage: Storag
     return save_sharded_state(_as_list(model, "model"), _as_list(optimizer, "optimizer"),
                               _as_list(scheduler, "scheduler"), storage=storage, timeout=check_timeout(timeout),
                               **kwargs)
-
-
-def _save_tiered(storage: TieredStorage, model: Any, optimizer: Any, scheduler: Any, *, output_dir: Any,
-                 project_dir: Any, model_only: bool, total_limit: int | None, save_state: Callable[..., Any],
-                 **kwargs: Any) -> TieredSave:
-    """A local save (any mode), then its upload to the remote tier in the background."""
-    if is_sharded(_as_list(model, "model")):
-        raise ValueError("a tiered save of sharded (DTensor / FSDP2) models is not supported (the local tier would "
-                         "need a folder every process shares); save to output_dir='s3://...' directly: every "
-                         "process uploads its own shards")
-    finish_tiered()
-    saved = save_state(model, optimizer, scheduler, output_dir=output_dir, project_dir=project_dir,
-                       model_only=model_only, total_limit=total_limit, **kwargs)
-    assert isinstance(saved, (Path, AsyncSave))
-    return storage.upload(saved, model_only=model_only, total_limit=total_limit)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import fastckpt
-import fastckpt.checkpoint_impl as checkpoint_module
+import fastckpt._io.storage.local.backend as checkpoint_module  # where a local save writes its plan
 from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._plan.save import build_save_plan
 

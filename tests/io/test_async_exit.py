@@ -26,7 +26,7 @@ _CHILD = """
 import resource, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
-import fastckpt.checkpoint_impl as checkpoint_module
+import fastckpt._io.storage.local.backend as checkpoint_module  # where a local save writes its plan
 from crash_worker import build_state
 
 gate = threading.Event()

@@ -107,3 +107,22 @@ def test_a_budget_below_the_state_is_refused_before_anything_is_sent(s3_url):
         fastckpt.save_state(model, opt, sched, output_dir=s3_url, async_save="stream", host_memory_budget=1000)
     assert keys(key_prefix(s3_url) + "/") == []
     assert torch.is_tensor(next(model.parameters()))
+
+
+def test_a_numbered_local_snapshot_save_while_an_s3_save_is_in_flight(proxy, s3_url, tmp_path, monkeypatch):
+    """Regression: the numbering of a local automatic name skipped the saves in flight by ``h.path.parent``, which
+    an ``s3://`` save's handle (a ``str`` path) does not have: the local save raised AttributeError at the call."""
+    from fastckpt._io.async_save import writer
+
+    monkeypatch.setattr(writer, "_DEFAULT", writer.AsyncSaver(max_in_flight=2))  # both snapshots fit at once
+    held = _held(proxy)
+    remote = fastckpt.save_state(*build_state(1, 2), output_dir=s3_url, async_save="snapshot",
+                                 storage_options=proxy_options(proxy))
+    assert held.reached.wait(60)
+    local = fastckpt.save_state(*build_state(2, 2), project_dir=tmp_path, async_save="snapshot")
+    assert local.path == tmp_path.absolute() / "checkpoints" / "checkpoint_0"
+    held.go.set()
+    assert remote.wait() == s3_url
+    assert local.wait() == tmp_path.absolute() / "checkpoints" / "checkpoint_0"
+    assert loaded_fingerprint(s3_url, 2) == expected_fingerprint(1, 2)
+    assert loaded_fingerprint(local.wait(), 2) == expected_fingerprint(2, 2)

@@ -50,7 +50,8 @@ def positional_fqns(optimizer: Any) -> dict[int, str]:
 
 def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool = False,
               strict: bool = True, map_location: Any = None, trust_pickle: bool = False, rank: int | None = 0,
-              fqn_models: list | None = None, cast: bool = False) -> LoadPlan:
+              fqn_models: list | None = None, cast: bool = False,
+              manifest: dict[str, Any] | None = None) -> LoadPlan:
     """Phase 1 of a load: read and validate everything ``folder`` must provide; change nothing.
 
     Reads fastckpt's layout (sharded model / optimizer files included) and accelerate's (see
@@ -63,6 +64,8 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
             load hooks may take models out of ``models``).
         cast: model tensors stored in another dtype are cast to the live tensor's dtype (as torch's
             ``load_state_dict`` does) instead of refused.
+        manifest: ``fastckpt.json`` as the storage read it to open the view (``CheckpointView.manifest``): checked
+            here, not read again (one reading of the manifest per load); None reads it through ``folder``.
 
     Raises:
         MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError, HeaderError, IntegrityError,
@@ -72,11 +75,11 @@ def plan_load(folder: Path, models: list, optimizers: list, schedulers: list, *,
         from fastckpt._plan.accelerate_load import plan_accelerate_load
 
         # a compat="accelerate" save has a manifest: check the recorded file sizes, take its mode
-        mode = read_manifest(folder).get("mode") if (folder / MANIFEST).is_file() else None
+        mode = read_manifest(folder, parsed=manifest).get("mode") if (folder / MANIFEST).is_file() else None
         return plan_accelerate_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                     map_location=map_location, trust_pickle=trust_pickle, rank=rank,
                                     manifest_mode=mode, cast=cast)
-    manifest = read_manifest(folder, model_files_only=model_only)
+    manifest = read_manifest(folder, model_files_only=model_only, parsed=manifest)
     if manifest.get("layout") == "dict":
         raise MissingStateError(f"{folder}: a checkpoint dict saved by fastckpt.save (state.safetensors + state.json), "
                                 "not a training state; read it with fastckpt.load. Nothing was changed.")

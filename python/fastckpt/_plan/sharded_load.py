@@ -40,10 +40,11 @@ __all__ = ["is_sharded_checkpoint", "plan_sharded_load", "ShardedLoad", "ReaderF
 ReaderFactory = Callable[..., Any]
 
 
-def is_sharded_checkpoint(folder: Path) -> bool:
-    """Whether ``folder``'s manifest says its tensors are a DCP checkpoint (a sharded save)."""
+def is_sharded_checkpoint(folder: Path, manifest: dict[str, Any] | None = None) -> bool:
+    """Whether ``folder``'s manifest (``manifest``: as already read, else read here) says its tensors are a DCP
+    checkpoint (a sharded save)."""
     try:
-        return isinstance(read_manifest(folder, check_sizes=False).get("sharded"), dict)
+        return isinstance(read_manifest(folder, check_sizes=False, parsed=manifest).get("sharded"), dict)
     except (MissingStateError, ValueError):
         return False
 

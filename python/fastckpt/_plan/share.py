@@ -19,14 +19,14 @@ from typing import Any, Callable
 import torch
 
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.storage.local.layout import MANIFEST, is_committed
-from fastckpt._io.storage.local.numbering import checkpoint_numbers
+from fastckpt._io.storage.local.backend import LocalStagedSave, LocalStorage
+from fastckpt._io.storage.local.layout import MANIFEST
 from fastckpt._io.storage.local.shards import index_name, parse_size, shard_name, split_part
 from fastckpt._io.storage.local.sharing import share_with
 from fastckpt._io.tensor_hashes import content_hashes, remember
 from fastckpt._state.trainable import trainable_names
 
-__all__ = ["DEFAULT_FROZEN_SHARD", "previous_checkpoint", "plan_sharing"]
+__all__ = ["DEFAULT_FROZEN_SHARD", "previous_checkpoint", "plan_sharing", "split_shared"]
 
 #: Frozen shard size limit when ``max_shard_size`` is None: 2 GB (fewer files; a changed frozen tensor rewrites
 #: at most its shard).
@@ -34,13 +34,10 @@ DEFAULT_FROZEN_SHARD = 2 * 10**9
 
 
 def previous_checkpoint(project_dir: Path, target: Path) -> Path | None:
-    """The checkpoint a save to ``target`` shares with: the newest committed ``checkpoint_N`` of the project other
-    than ``target``, else ``target`` itself when it is a committed checkpoint (an overwrite), else None."""
-    numbers = checkpoint_numbers(project_dir)
-    for n in sorted(numbers, reverse=True):
-        if numbers[n].absolute() != target.absolute() and (numbers[n] / MANIFEST).is_file():
-            return numbers[n]
-    return target if target.is_dir() and is_committed(target) and (target / MANIFEST).is_file() else None
+    """The checkpoint a save to ``target`` shares with
+    (:meth:`~fastckpt._io.storage.local.backend.LocalStorage.previous` of the project), or None."""
+    found = LocalStorage(None, project_dir).previous(LocalStagedSave(target, None))
+    return None if found is None else Path(found.location)
 
 
 def _groups(names: list[str], tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
@@ -58,7 +55,8 @@ def _groups(names: list[str], tensors: dict[str, torch.Tensor], limit: int) -> l
 
 def plan_sharing(plan: SavePlan, models: list[torch.nn.Module], previous: Path | None, *,
                  max_shard_size: int | str | None, threads: int = 0) -> Callable[[Path], None]:
-    """Split the model parts of ``plan`` into frozen and trainable shards and link the unchanged frozen ones.
+    """Split the model parts of ``plan`` into frozen and trainable shards and link the unchanged frozen ones
+    (:func:`split_shared`, then its ``link(previous)``).
 
     Args:
         plan: a plan built without ``max_shard_size`` (its model parts are whole ``model*.safetensors``).
@@ -71,8 +69,18 @@ def plan_sharing(plan: SavePlan, models: list[torch.nn.Module], previous: Path |
         ``after_commit(folder)``: remembers the content hashes the writer computed for the frozen tensors, so the
         next save of unchanged tensors hashes nothing.
     """
+    link, after_commit = split_shared(plan, models, max_shard_size=max_shard_size, threads=threads)
+    link(previous)
+    return after_commit
+
+
+def split_shared(plan: SavePlan, models: list[torch.nn.Module], *, max_shard_size: int | str | None,
+                 threads: int = 0) -> tuple[Callable[[Path | None], None], Callable[[Path], None]]:
+    """Split the model parts of ``plan`` into frozen and trainable shards (as :func:`plan_sharing`); returns
+    ``(link, after_commit)``: ``link(previous)`` hashes the frozen shards and marks those equal to a file of the
+    ``previous`` checkpoint (None: a first save, nothing hashed) to be linked; ``after_commit(folder)`` remembers
+    the hashes the writer computed."""
     limit = DEFAULT_FROZEN_SHARD if max_shard_size is None else parse_size(max_shard_size)
-    candidates: dict[str, dict[str, str]] = {}
     owners: dict[str, dict[str, Any]] = {}  # shard -> {tensor name: live object}
     parts: list[FilePart] = []
     frozen_files: list[str] = []
@@ -111,15 +119,17 @@ def plan_sharing(plan: SavePlan, models: list[torch.nn.Module], previous: Path |
                 objs = {t: live[t] if t in live and live[t].data_ptr() == part.tensors[t].data_ptr() else
                         part.tensors[t] for t in names}
                 owners[name] = objs
-                if previous is not None:
-                    candidates[name] = content_hashes(objs, convert_to=part.dtype, threads=threads)
         index_doc = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in part.tensors.values())},
                      "weight_map": owner}
         plan.texts[index_name(base)] = json.dumps(index_doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     plan.parts = parts
     plan.counts["frozen_files"] = frozen_files
-    share_with(plan, previous, candidates)
     dtypes = {p.name: p.dtype for p in plan.parts}
+
+    def link(previous: Path | None) -> None:
+        candidates = {} if previous is None else {
+            name: content_hashes(objs, convert_to=dtypes[name], threads=threads) for name, objs in owners.items()}
+        share_with(plan, previous, candidates)
 
     def after_commit(folder: Path) -> None:
         try:
@@ -132,4 +142,4 @@ def plan_sharing(plan: SavePlan, models: list[torch.nn.Module], previous: Path |
                 if tensor in hashes:
                     remember(obj, dtypes[name], hashes[tensor])
 
-    return after_commit
+    return link, after_commit

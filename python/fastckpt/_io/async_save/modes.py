@@ -19,7 +19,6 @@ Over ``s3://`` every mode is a snapshot: the upload (minutes, on a slow link) th
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from fastckpt._io.files import SavePlan
@@ -40,8 +39,9 @@ def _plan_bytes(plan: SavePlan) -> int:
     return sum(t.numel() * t.element_size() for part in plan.parts for t in part.tensors.values())
 
 
-def start_async(plan: SavePlan, optimizers: list[Any], target: Path | str, mode: bool | str, *,
-                write: Callable[..., Any], budget: int | str | None = None, auto_named: bool = False,
+def start_async(plan: SavePlan, optimizers: list[Any], save: Any, mode: bool | str, *,
+                options: dict[str, Any] | None = None, write: Callable[..., Any] | None = None,
+                budget: int | str | None = None, auto_named: bool = False,
                 after: Callable[[], Any] | None = None, snapshot_only: str | None = None) -> Any:
     """Start the async save of ``plan`` in ``mode`` (``True``, ``"stream"`` or ``"snapshot"``); returns its
     :class:`~fastckpt._io.async_save.writer.AsyncSave`.
@@ -49,8 +49,10 @@ def start_async(plan: SavePlan, optimizers: list[Any], target: Path | str, mode:
     Args:
         plan: the save plan (live tensors).
         optimizers: the optimizers whose steps a streaming save guards.
-        target: the checkpoint folder (absolute).
-        write: as :func:`fastckpt._io.async_save.stream.submit_stream`.
+        save: the staged save (``Storage.begin``'s) the writer thread writes and commits; or, with ``write``, the
+            checkpoint folder (absolute) that ``write(plan, target, **options)`` commits
+            (:class:`~fastckpt._io.async_save.writer.WriteTo`).
+        options: passed to ``save.write`` (``durable``, ``threads``).
         budget: ``host_memory_budget`` (bytes, ``"4GB"``, None): streaming saves only; with ``True`` and CUDA
             tensors (a snapshot) a budget below the state's bytes is refused.
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
@@ -63,7 +65,10 @@ def start_async(plan: SavePlan, optimizers: list[Any], target: Path | str, mode:
     """
     from fastckpt._io.async_save.snapshot import has_device_tensors
     from fastckpt._io.async_save.stream import parse_budget, submit_stream
-    from fastckpt._io.async_save.writer import submit
+    from fastckpt._io.async_save.writer import WriteTo, submit
+
+    if write is not None:
+        save = WriteTo(save, write)
 
     if snapshot_only is not None:
         limit, need = parse_budget(budget), _plan_bytes(plan)
@@ -82,6 +87,6 @@ def start_async(plan: SavePlan, optimizers: list[Any], target: Path | str, mode:
             )
         mode = "snapshot"
     if mode == "snapshot":
-        return submit(plan, target, write=write, blocking=False, auto_named=auto_named, after=after)
-    return submit_stream(plan, optimizers, target, write=write, budget=budget, auto_named=auto_named, after=after,
+        return submit(plan, save, options=options, blocking=False, auto_named=auto_named, after=after)
+    return submit_stream(plan, optimizers, save, options=options, budget=budget, auto_named=auto_named, after=after,
                          hash_at_call=mode is True)

@@ -355,7 +355,7 @@ class StreamingSave:
         return {"progress": self.progress}
 
 
-def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write: Callable[..., Any],
+def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: dict[str, Any] | None = None,
                   budget: int | str | None = None, auto_named: bool = False,
                   after: Callable[[], Any] | None = None, hash_at_call: bool = False) -> Any:
     """Start a streaming async save of ``plan`` on the default saver's writer thread; returns its ``AsyncSave``.
@@ -363,9 +363,9 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
     Args:
         plan: the save plan (live tensors).
         optimizers: the optimizers whose steps are guarded (see the module docs).
-        target: the checkpoint folder (absolute).
-        write: ``write(plan, target, before_commit=..., progress=... | ready=...)``, e.g.
-            :func:`fastckpt._io.storage.local.commit.write_checkpoint` with its options bound.
+        save: the staged save to write and commit (as :meth:`fastckpt._io.async_save.writer.AsyncSaver.submit`):
+            ``save.write(plan, **options, before_commit=..., progress=... | ready=...)``, then ``save.commit()``.
+        options: passed to ``save.write`` (``durable``, ``threads``).
         budget: ``host_memory_budget`` (bytes, ``"4GB"``, or None for as needed).
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
         after: run on the writer thread after a successful commit (rotation).
@@ -377,33 +377,34 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], target: Path, *, write:
     """
     import time
 
-    from fastckpt._io.async_save.writer import default_saver
+    from fastckpt._io.async_save.writer import committed_path, default_saver
 
     limit = parse_budget(budget)
     saver = default_saver()
     if auto_named:
-        target = saver.reserve(target)
+        saver.reserve(save)
     start = time.perf_counter()
-    stream = StreamingSave(plan, optimizers, target, saver.pool, limit, hash_at_call=hash_at_call)
+    stream = StreamingSave(plan, optimizers, save.target, saver.pool, limit, hash_at_call=hash_at_call)
     blocked = time.perf_counter() - start
 
-    token = CancelToken(target)
+    token = CancelToken(save.target)
 
-    def run() -> Path:
+    def run() -> Path | str:
         try:
             try:
-                write(stream.plan, target, before_commit=token.before_commit(stream.before_commit),
-                      **stream.write_kwargs())
+                save.write(stream.plan, **dict(options or {}), before_commit=token.before_commit(stream.before_commit),
+                           **stream.write_kwargs())
+                committed = save.commit()
             except BaseException as exc:
                 stream.raise_failure(exc)
             if after is not None:
                 after()
-            return target
+            return committed_path(save, committed)
         finally:
             stream.close()
 
     try:
-        return saver.start(target, run, blocking_seconds=blocked, stream=stream, token=token)
+        return saver.start(save.target, run, blocking_seconds=blocked, stream=stream, token=token)
     except BaseException:
         stream.close()
         raise

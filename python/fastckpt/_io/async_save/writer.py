@@ -35,8 +35,9 @@ from fastckpt._io.async_save.host_pool import HostBufferPool
 from fastckpt._io.async_save.outcome import Outcome
 from fastckpt._io.async_save.snapshot import Snapshot, snapshot_plan
 from fastckpt._io.files import SavePlan
+from fastckpt._io.storage.base import Committed
 
-__all__ = ["AsyncSave", "AsyncSaver", "default_saver", "finish_pending", "release_buffers", "submit",
+__all__ = ["AsyncSave", "AsyncSaver", "WriteTo", "committed_path", "default_saver", "finish_pending", "release_buffers", "submit",
            "wait_for_saves_to"]
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -178,16 +179,19 @@ class AsyncSaver:
             h._outcome.wait()  # a failure is reported by raise_failed below
         self.raise_failed()
 
-    def reserve(self, target: Path) -> Path:
-        """``target``, or for an automatic ``checkpoint_N`` name one above every number still being written."""
-        m = _NUMBERED.match(target.name)
+    def reserve(self, save: Any) -> None:
+        """For a save to an automatic ``checkpoint_N`` name (``save.number`` set), move it above every number still
+        being written (``save.renumber(n)``)."""
+        target = save.target
+        m = _NUMBERED.match(target.name) if isinstance(target, Path) and save.number is not None else None
         if m is None:
-            return target
+            return
         with self._lock:
-            taken = [int(g.group(1)) for h in self._pending if not h.done() and h.path.parent == target.parent
-                     and (g := _NUMBERED.match(h.path.name))]
+            taken = [int(g.group(1)) for h in self._pending if not h.done() and isinstance(h.path, Path)
+                     and h.path.parent == target.parent and (g := _NUMBERED.match(h.path.name))]
         n = max([int(m.group(1)), *(t + 1 for t in taken)])
-        return target.with_name(f"checkpoint_{n}")
+        if n != int(m.group(1)):
+            save.renumber(n)
 
     def start(self, target: Path, run: Callable[[], Path], *, blocking_seconds: float, stream: Any,
               token: CancelToken | None = None) -> AsyncSave:
@@ -250,15 +254,17 @@ class AsyncSaver:
         if self.pool.in_use() == 0:
             self.pool.release_buffers()
 
-    def submit(self, plan: SavePlan, target: Path | str, *, write: Callable[..., Any], blocking: bool = False,
+    def submit(self, plan: SavePlan, save: Any, *, options: dict[str, Any] | None = None, blocking: bool = False,
                after: Callable[[], Any] | None = None) -> AsyncSave:
-        """Snapshot ``plan`` into the pool, then ``write(snapshot_plan, target)`` on the writer thread.
+        """Snapshot ``plan`` into the pool, then ``save.write(snapshot_plan, **options)`` and ``save.commit()`` on
+        the writer thread.
 
         Args:
             plan: the save plan (live tensors).
-            target: the checkpoint folder (absolute).
-            write: ``write(plan, target)``, e.g. :func:`fastckpt._io.storage.local.commit.write_checkpoint` with its options bound;
-                called with ``ready=`` the snapshot's chunk gate when ``blocking`` and device copies exist.
+            save: the :class:`~fastckpt._io.storage.base.StagedSave` to write and commit (``Storage.begin``'s, or
+                :class:`WriteTo` over a write function); ``save.target`` names it (the handle's ``path``).
+            options: passed to ``save.write`` (``durable``, ``threads``), with ``before_commit=`` the cancel check
+                and ``ready=`` the snapshot's chunk gate when ``blocking`` and device copies exist.
             blocking: the caller will wait for the result at once (a synchronous save of CUDA tensors): the writer
                 then starts before the device copies are done and waits per chunk (``ready``), overlapping them.
                 Otherwise every device copy is waited for first (the writer never needs the GIL while the
@@ -276,18 +282,20 @@ class AsyncSaver:
         start = time.perf_counter()
         snapshot = snapshot_plan(plan, self.pool, on_slot=self.raise_failed)
         blocked = time.perf_counter() - start
-        token = CancelToken(target)
+        token = CancelToken(save.target)
 
-        def run() -> Path:
+        def run() -> Path | str:
             try:
+                kwargs = dict(options or {}, before_commit=token.before_commit())
                 if blocking and snapshot.copies:
-                    result = write(snapshot.plan, target, ready=snapshot.ready, before_commit=token.before_commit())
+                    kwargs["ready"] = snapshot.ready
                 else:
                     snapshot.wait_copies()
-                    result = write(snapshot.plan, target, before_commit=token.before_commit())
+                save.write(snapshot.plan, **kwargs)
+                committed = save.commit()
                 if after is not None:
                     after()
-                return result if isinstance(result, (Path, str)) else target
+                return committed_path(save, committed)
             finally:
                 self.pool.release(snapshot.slot)
 
@@ -298,10 +306,39 @@ class AsyncSaver:
         except BaseException:
             self.pool.release(snapshot.slot)
             raise
-        handle = AsyncSave(target, outcome, snapshot, blocked, token=token)
+        handle = AsyncSave(save.target, outcome, snapshot, blocked, token=token)
         with self._lock:
             self._pending.append(handle)
         return handle
+
+
+class WriteTo:
+    """A :class:`~fastckpt._io.storage.base.StagedSave` over a write function, for callers that commit their own
+    way (``fastckpt.save``, the accelerate and manager saves): :meth:`commit` calls ``write(plan, target,
+    **options)``."""
+
+    number = None
+
+    def __init__(self, target: Path | str, write: Callable[..., Any]) -> None:
+        self.target, self.location, self._write = target, str(target), write
+        self._plan: tuple[Any, dict[str, Any]] | None = None
+
+    def write(self, plan: Any, **options: Any) -> None:
+        self._plan = (plan, options)
+
+    def commit(self) -> Committed:
+        assert self._plan is not None
+        plan, options = self._plan
+        result = self._write(plan, self.target, **options)
+        return Committed(str(result if isinstance(result, (Path, str)) else self.target), None)
+
+    def abort(self) -> None:
+        self._plan = None
+
+
+def committed_path(save: Any, committed: Committed) -> Path | str:
+    """What ``AsyncSave.wait()`` returns: the folder (a local save's ``target``) or the committed URL."""
+    return save.target if isinstance(save.target, Path) else committed.location
 
 
 _DEFAULT: AsyncSaver | None = None
@@ -356,10 +393,14 @@ def wait_for_saves_to(folder: Path) -> None:
         handle.wait()
 
 
-def submit(plan: SavePlan, target: Path | str, *, write: Callable[..., Any], blocking: bool = False,
-           auto_named: bool = False, after: Callable[[], Any] | None = None) -> AsyncSave:
-    """:meth:`AsyncSaver.submit` on the default saver; ``auto_named`` skips numbers of saves in flight."""
+def submit(plan: SavePlan, save: Any, *, options: dict[str, Any] | None = None, blocking: bool = False,
+           auto_named: bool = False, after: Callable[[], Any] | None = None,
+           write: Callable[..., Any] | None = None) -> AsyncSave:
+    """:meth:`AsyncSaver.submit` on the default saver; ``auto_named`` skips numbers of saves in flight. ``write``:
+    ``save`` is a target path and ``write(plan, target, **options)`` commits it (:class:`WriteTo`)."""
     saver = default_saver()
+    if write is not None:
+        save = WriteTo(save, write)
     if auto_named:
-        target = saver.reserve(target)
-    return saver.submit(plan, target, write=write, blocking=blocking, after=after)
+        saver.reserve(save)
+    return saver.submit(plan, save, options=options, blocking=blocking, after=after)

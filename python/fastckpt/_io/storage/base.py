@@ -119,6 +119,18 @@ class StagedSave(Protocol):
         """Drop everything this save staged. Idempotent; never touches a committed checkpoint."""
         ...
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """``share_unchanged``: call ``link(previous)`` with the folder of the storage's :meth:`Storage.previous`
+        checkpoint (None: nothing to link from) before :meth:`write`; run ``after_commit(folder)`` after the
+        commit. ValueError where the backend does not serve it."""
+        ...
+
+    def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
+        """What the public save call returns for ``result`` (the committed folder or URL, or an async save's
+        handle): ``result`` itself, or a backend's own handle (a tiered save's upload, which rotates the remote
+        tier to ``total_limit`` after its commit)."""
+        ...
+
 
 @runtime_checkable
 class Storage(Protocol):
@@ -128,6 +140,18 @@ class Storage(Protocol):
     location: str
     #: the tier name a :class:`CheckpointView` of it carries
     tier: str
+    #: None, or why every async save to it is a snapshot into host memory (``"over s3://"``: the upload then
+    #: reads only the copy); such a store is written from host memory only, so device tensors are staged too
+    snapshot_only: str | None
+
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Raise ValueError, before anything is written, for a kind of save the backend does not serve."""
+        ...
+
+    def previous(self, save: Any) -> Committed | None:
+        """The committed checkpoint ``save`` (its :meth:`begin`'s) may share unchanged files with
+        (``share_unchanged``), or None."""
+        ...
 
     def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> StagedSave:
         """Open a staged save: ``name`` a checkpoint inside the storage, or None for the next ``checkpoint_{n}``."""

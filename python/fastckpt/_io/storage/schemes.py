@@ -36,7 +36,8 @@ SCHEMES: dict[str | None, Callable[[Any, Any, Mapping[str, Any] | None, str], St
 
 
 def resolve(location: str | os.PathLike[str] | None, *, project_dir: str | os.PathLike[str] | None = None,
-            storage_options: Mapping[str, Any] | None = None, what: str = "output_dir") -> Storage:
+            storage_options: Mapping[str, Any] | None = None, what: str = "output_dir",
+            remote: Any = None) -> Storage:
     """The storage that ``location`` (a checkpoint; None: automatic naming under ``project_dir``) names.
 
     Args:
@@ -44,14 +45,17 @@ def resolve(location: str | os.PathLike[str] | None, *, project_dir: str | os.Pa
         project_dir: the project for automatic naming (a local folder or URL); None: the current directory.
         storage_options: backend settings (S3: endpoint, region, credentials...); ignored by local folders.
         what: the argument's name for errors (``"output_dir"``, ``"input_dir"``, ``"folder"``).
+        remote: an ``s3://`` URL behind the local ``location``: a tiered storage (:func:`resolve_tiered`).
 
     Returns:
         One :class:`~fastckpt._io.storage.base.Storage`.
 
     Raises:
         ValueError: a URL scheme no backend serves, a malformed URL, or ``location`` and ``project_dir`` in
-            different storages (the message names both).
+            different storages (the message names both); with ``remote``, as :func:`resolve_tiered`.
     """
+    if remote is not None:
+        return resolve_tiered(location, remote, project_dir=project_dir, storage_options=storage_options)
     scheme = remote_scheme(location, what)
     project_scheme = remote_scheme(project_dir, "project_dir")
     if location is not None and project_dir is not None and scheme is None and project_scheme is not None:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from fastckpt._io.storage.base import CheckpointView, Committed
 from fastckpt._io.storage.local.commit import check_target, write_checkpoint
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, is_committed
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, is_committed, peek_manifest
 from fastckpt._io.storage.local.numbering import (
     checkpoint_numbers,
     next_checkpoint_dir,
@@ -64,11 +64,31 @@ class LocalStagedSave:
     """A local save opened by :meth:`LocalStorage.begin`: nothing exists at ``target`` until :meth:`commit`, which
     writes the plan into a staging folder and renames it into place in one step (:func:`.commit.write_checkpoint`)."""
 
-    def __init__(self, target: Path, number: int | None) -> None:
-        self.target = target
-        self.location = str(target)
+    def __init__(self, target: Path, number: int | None, storage: LocalStorage | None = None) -> None:
+        self.target = target.absolute()
+        self.location = str(self.target)
         self.number = number
+        self._storage = storage
         self._write: tuple[Any, dict[str, Any]] | None = None
+        self._after_commit: Callable[[Path], Any] | None = None
+
+    def share(self, link: Callable[[Path | None], Any], after_commit: Callable[[Path], Any]) -> None:
+        """``share_unchanged``: ``link(previous)`` marks the files of the plan equal to the storage's
+        :meth:`LocalStorage.previous` checkpoint to be hard-linked from it (None: nothing to link), before
+        :meth:`write`; ``after_commit(folder)`` runs after the commit (it remembers the written hashes)."""
+        previous = None if self._storage is None else self._storage.previous(self)
+        link(None if previous is None else Path(previous.location))
+        self._after_commit = after_commit
+
+    def renumber(self, number: int) -> None:
+        """Save to ``checkpoint_{number}`` instead (an automatic name above the async saves still in flight)."""
+        assert self.number is not None
+        self.target = self.target.with_name(f"checkpoint_{number}")
+        self.location, self.number = str(self.target), number
+
+    def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
+        """What the public call returns: ``result`` (the committed folder, or the async save's handle)."""
+        return result
 
     def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> None:
         """Take ``plan``; its files are written by :meth:`commit` (``options``: ``ready``, ``progress``,
@@ -83,6 +103,8 @@ class LocalStagedSave:
         plan, options = self._write
         write_checkpoint(plan, self.target, **options)
         self._write = None
+        if self._after_commit is not None:
+            self._after_commit(self.target)
         return _committed(self.target, self.number)
 
     def abort(self) -> None:
@@ -99,6 +121,8 @@ class LocalStorage:
     """
 
     tier = "local"
+    #: async saves may stream from the live tensors (see :mod:`fastckpt._io.async_save.modes`)
+    snapshot_only: str | None = None
 
     def __init__(self, folder: str | os.PathLike[str] | None = None,
                  project_dir: str | os.PathLike[str] | None = None) -> None:
@@ -116,11 +140,26 @@ class LocalStorage:
     def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> LocalStagedSave:
         """A save of the named folder, ``name`` inside the project, or the next ``checkpoint_{n}`` of its kind."""
         if name is not None:
-            return LocalStagedSave(check_target(self.project / name), None)
+            return LocalStagedSave(check_target(self.project / name), None, self)
         if self.folder is not None:
-            return LocalStagedSave(check_target(self._given), None)
+            return LocalStagedSave(check_target(self._given), None, self)
         target = next_checkpoint_dir(self.project, model_only=model_only)
-        return LocalStagedSave(target, int(target.name.rsplit("_", 1)[1]))
+        return LocalStagedSave(target, int(target.name.rsplit("_", 1)[1]), self)
+
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Every kind of save is served (sharded ones through DCP, into a folder every process shares)."""
+
+    def previous(self, save: LocalStagedSave) -> Committed | None:
+        """The checkpoint ``save`` shares unchanged files with (``share_unchanged``): the newest committed
+        ``checkpoint_N`` of the project other than the save's own folder, else that folder when it is a committed
+        checkpoint (an overwrite), else None."""
+        numbers = checkpoint_numbers(self.project)
+        for n in sorted(numbers, reverse=True):
+            if numbers[n].absolute() != save.target and (numbers[n] / MANIFEST).is_file():
+                return _committed(numbers[n], n)
+        target = save.target
+        return _committed(target, None) if target.is_dir() and is_committed(target) and (target / MANIFEST).is_file() \
+            else None
 
     def list(self, *, model_only: bool = False) -> list[Committed]:
         """The committed checkpoints of one kind (full ones: saved in full), oldest first; a named folder lists
@@ -155,7 +194,8 @@ class LocalStorage:
         when another save replaced the folder meanwhile, becomes CheckpointChangedError: open it again."""
         folder = self.locate(ref, model_only=model_only)
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
-            yield CheckpointView(location=str(folder), folder=handle, path=folder, tier=self.tier)
+            yield CheckpointView(location=str(folder), folder=handle, path=folder, manifest=peek_manifest(handle),
+                                 tier=self.tier)
 
     @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:

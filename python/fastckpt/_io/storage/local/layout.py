@@ -183,8 +183,11 @@ def is_model_file(name: str) -> bool:
 
 
 def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False,
-                  check_counts: bool = True) -> dict[str, Any]:
+                  check_counts: bool = True, parsed: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read and check ``folder/fastckpt.json``.
+
+    ``parsed``: the manifest as already read (a :class:`~fastckpt._io.storage.base.CheckpointView`'s, see
+    :func:`peek_manifest`): checked, not read again.
 
     ``check_counts``: ``models`` / ``optimizers`` / ``schedulers`` must match the files listed (see
     :func:`count_problems`).
@@ -202,7 +205,7 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
     """
     path = folder / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(path.read_text(encoding="utf-8")) if parsed is None else parsed
     except FileNotFoundError:
         raise MissingStateError(
             f"{folder}: no {MANIFEST}; not a fastckpt checkpoint, or a save that did not finish"
@@ -228,6 +231,16 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
             if problem is not None:
                 raise IntegrityError(problem)
     return manifest
+
+
+def peek_manifest(folder: Path) -> dict[str, Any] | None:
+    """``folder/fastckpt.json`` parsed (read once, through ``folder``: a pinned view's handle records it), or None
+    when it is missing or not a JSON object (:func:`read_manifest` then raises the typed error naming why)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def _is_hex8(value: Any) -> bool:

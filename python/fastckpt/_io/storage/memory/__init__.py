@@ -120,6 +120,14 @@ class MemorySave:
             self._owner.release()
             self._owner = None
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """Nothing to link from (each memory-tier save is written whole)."""
+        link(None)
+
+    def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
+        """What a save call returns: ``result`` as given."""
+        return result
+
 
 class MemoryTier:
     """A folder holding the newest committed checkpoint of one process (see the module docs).
@@ -141,6 +149,16 @@ class MemoryTier:
         self._held: dict[int, int] = {}
         self._lock = threading.Lock()  # hold / release / prune from the manager's threads
         self._reapers: list[threading.Thread] = []  # background removals of pruned checkpoints
+
+    #: async saves may stream from the live tensors
+    snapshot_only: str | None = None
+
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Every kind of save is served."""
+
+    def previous(self, save: MemorySave) -> Committed | None:
+        """None: the memory tier keeps no files to share (each save is written whole)."""
+        return None
 
     def claim(self) -> MemoryTier:
         """Make this process the tier's only writer: an exclusive ``flock`` on ``.{root name}.owner`` beside

@@ -20,6 +20,7 @@ from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.group.distributed import Session
 from fastckpt._io.storage.base import CheckpointView, Committed
 from fastckpt._io.storage.local.folder import pinned
+from fastckpt._io.storage.local.layout import peek_manifest
 from fastckpt._io.storage.object.api import fetched, opened, pick_remote, save_remote
 from fastckpt._io.storage.object.commit import committed_manifest, delete_checkpoint
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
@@ -42,6 +43,8 @@ class ObjectStagedSave:
     def __init__(self, storage: ObjectStorage, url: ObjectUrl | None, model_only: bool) -> None:
         self.storage = storage
         self.location = str(url if url is not None else storage.project)
+        self.target = self.location  # how async saves in flight name it until the commit numbers it
+        self.number = None
         self._url = url
         self._model_only = model_only
         self._write: tuple[Any, dict[str, Any]] | None = None
@@ -69,6 +72,14 @@ class ObjectStagedSave:
         """Drop the plan (nothing was uploaded: the upload happens inside :meth:`commit`)."""
         self._write = None
 
+    def share(self, link: Any, after_commit: Any) -> None:
+        """``share_unchanged`` is not served over ``s3://`` (:meth:`ObjectStorage.check_save` refuses it first)."""
+        raise ValueError(f"{self.location}: share_unchanged is not supported with s3:// yet")
+
+    def returned(self, result: Any, *, total_limit: int | None = None) -> Any:
+        """What the public call returns: ``result`` (the committed URL, or the async save's handle)."""
+        return result
+
 
 def _no_local(folder: Path) -> None:
     raise ValueError(f"{folder}: an object save without a plan needs write_local")
@@ -84,6 +95,8 @@ class ObjectStorage:
     """
 
     tier = "remote"
+    #: every async save is a snapshot: the upload (minutes, on a slow link) then reads only the copy
+    snapshot_only: str | None = "over s3://"
 
     def __init__(self, url: ObjectUrl | None, project: ObjectUrl | None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -108,6 +121,13 @@ class ObjectStorage:
             return ObjectStagedSave(self, base.child(name), model_only)
         return ObjectStagedSave(self, self.url, model_only)
 
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Raise ValueError for what an object-store save does not serve yet (before anything is written)."""
+        if share_unchanged or (async_save and sharded):
+            raise ValueError("share_unchanged, and async_save with sharded (DTensor / FSDP2) models, are not "
+                             "supported with s3:// yet; save locally, or pass async_save=False / "
+                             "share_unchanged=False")
+
     def list(self, *, model_only: bool = False) -> list[Committed]:
         """The committed checkpoints of one kind, oldest first; a named checkpoint lists itself when committed."""
         store = self.store
@@ -128,7 +148,7 @@ class ObjectStorage:
                       storage_options=self.storage_options) as folder,
               pinned(folder, verify=False, threads=threads, defer=True) as handle):  # every crc32c already checked
             yield CheckpointView(location=self.location if ref is None else ref.location, folder=handle, path=folder,
-                                 tier=self.tier, checked=True)
+                                 manifest=peek_manifest(handle), tier=self.tier, checked=True)
 
     @contextlib.contextmanager
     def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:

@@ -22,28 +22,50 @@ __all__ = ["TieredStorage", "TieredStagedSave"]
 
 
 class TieredStagedSave:
-    """A tiered save: :meth:`commit` commits locally, then starts the upload (:attr:`upload`, its handle)."""
+    """A tiered save: the local tier's save; what the public call returns (:meth:`returned`) starts its upload."""
 
-    def __init__(self, storage: TieredStorage, local: LocalStagedSave, model_only: bool, total_limit: int | None) -> None:
-        self.storage, self.local, self.location = storage, local, local.location
-        self.model_only, self.total_limit = model_only, total_limit
+    def __init__(self, storage: TieredStorage, local: LocalStagedSave, model_only: bool) -> None:
+        self.storage, self.local, self.model_only = storage, local, model_only
         self.upload: TieredSave | None = None
+
+    @property
+    def target(self) -> Path:
+        """The local folder (async saves in flight are named by it)."""
+        return self.local.target
+
+    @property
+    def location(self) -> str:
+        return self.local.location
+
+    @property
+    def number(self) -> int | None:
+        return self.local.number
+
+    def renumber(self, number: int) -> None:
+        """As the local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.renumber`."""
+        self.local.renumber(number)
+
+    def share(self, link: Any, after_commit: Any) -> None:
+        """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.share`."""
+        self.local.share(link, after_commit)
 
     def write(self, plan: Any, *, durable: bool = True, threads: int = 0, **options: Any) -> None:
         """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.write`."""
         self.local.write(plan, durable=durable, threads=threads, **options)
 
     def commit(self) -> Committed:
-        """Commit locally, then upload in the background (an earlier upload's error is raised first)."""
-        finish_tiered()
-        committed = self.local.commit()
-        self.upload = self.storage.upload(Path(committed.location), model_only=self.model_only,
-                                          total_limit=self.total_limit)
-        return committed
+        """Commit locally (the upload starts from :meth:`returned`, which may hold an async save's handle)."""
+        return self.local.commit()
 
     def abort(self) -> None:
         """Drop the local save (nothing was uploaded)."""
         self.local.abort()
+
+    def returned(self, result: Path | Any, *, total_limit: int | None = None) -> TieredSave:
+        """Upload the committed folder (or, for an async save, the one its handle commits) in the background;
+        returns the upload's handle. ``total_limit`` rotates the remote tier after the upload's commit."""
+        self.upload = self.storage.upload(result, model_only=self.model_only, total_limit=total_limit)
+        return self.upload
 
 
 class TieredStorage:
@@ -51,6 +73,8 @@ class TieredStorage:
     prefix when the local tier numbers its checkpoints)."""
 
     tier = "tiered"
+    #: as the local tier
+    snapshot_only: str | None = None
 
     def __init__(self, local: LocalStorage, remote: ObjectStorage) -> None:
         self.local, self.remote = local, remote
@@ -66,11 +90,22 @@ class TieredStorage:
                             model_only=model_only, total_limit=total_limit,
                             storage_options=self.remote.storage_options)
 
-    def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0,
-              total_limit: int | None = None) -> TieredStagedSave:
-        """A local save whose commit starts the upload."""
-        return TieredStagedSave(self, self.local.begin(name, model_only=model_only, step=step), model_only,
-                                total_limit)
+    def begin(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> TieredStagedSave:
+        """A local save whose handle (:meth:`TieredStagedSave.returned`) starts the upload; an earlier upload's
+        error is raised first (it is waited for)."""
+        finish_tiered()
+        return TieredStagedSave(self, self.local.begin(name, model_only=model_only, step=step), model_only)
+
+    def check_save(self, *, sharded: bool, async_save: Any, share_unchanged: bool) -> None:
+        """Raise ValueError for a sharded save (the local tier would need a folder every process shares)."""
+        if sharded:
+            raise ValueError("a tiered save of sharded (DTensor / FSDP2) models is not supported (the local tier "
+                             "would need a folder every process shares); save to output_dir='s3://...' directly: "
+                             "every process uploads its own shards")
+
+    def previous(self, save: TieredStagedSave) -> Committed | None:
+        """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStorage.previous`."""
+        return self.local.previous(save.local)
 
     def list(self, *, model_only: bool = False) -> list[Committed]:
         """The local tier's committed checkpoints (the remote tier holds those uploaded)."""
