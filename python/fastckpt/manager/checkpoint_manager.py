@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,9 +34,10 @@ from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier
-from fastckpt.errors import CheckpointError
+from fastckpt.errors import CheckpointError, DurableSaveError, OptionError, OptionTypeError
 from fastckpt.manager.durable import DurableWriter
-from fastckpt.manager.options import check_exit_code, check_project, check_signals, check_step, memory_root
+from fastckpt.manager.options import (check_count, check_exit_code, check_project, check_signals, check_step,
+                                      check_writable, memory_root, typed_option)
 from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
@@ -106,21 +108,22 @@ class CheckpointManager:
         self.project = check_project(project_dir)
         self.models = checked_list(model, "model")
         if not self.models:
-            raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
+            raise OptionTypeError(f"model={model!r} holds no module; pass the torch.nn.Module (or a non-empty list "
+                                  "of them) to checkpoint")
         from fastckpt._state.sharded import is_sharded
 
         if is_sharded(self.models):
-            raise ValueError("CheckpointManager manages replicated (DDP-style) states; sharded (FSDP2 / DTensor) "
-                             "models are not supported yet: save them with fastckpt.save_state on every rank")
+            raise OptionError("CheckpointManager manages replicated (DDP-style) states; sharded (FSDP2 / DTensor) "
+                              "models are not supported yet: save them with fastckpt.save_state on every rank")
         self.optimizers = checked_list(optimizer, "optimizer")
         self.schedulers = checked_list(scheduler, "scheduler")
         self.objects: list[Registered] = []
         self.schedule = Schedule(every_n_steps=every_n_steps, every_seconds=every_seconds, continuous=continuous,
                                  mtbf=mtbf)
-        for name, value, low in (("replicas", replicas, 0), ("keep", keep, 1), ("threads", threads, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        self.keep, self.threads, self.timeout = keep, threads, check_timeout(timeout)
+        check_count("replicas", replicas, 0)
+        self.keep = check_count("keep", keep, 1, none=True)
+        self.threads = check_count("threads", threads, 0)
+        self.timeout = typed_option(check_timeout, timeout)
         self.exit_code = check_exit_code(preemption_exit_code)
         signals = check_signals(preemption_signals)
         self.storage_options = storage_options
@@ -128,18 +131,32 @@ class CheckpointManager:
         if remote is not None:
             from fastckpt._io.storage.object.store import remote_url
 
-            self.remote = remote_url(remote, "remote")
+            if not isinstance(remote, str):
+                raise OptionTypeError(f"remote must be an s3:// URL (str), got {type(remote).__name__} {remote!r}")
+            self.remote = typed_option(remote_url, remote, "remote")
             if self.remote is None:
-                raise ValueError(f"remote={remote!r} is not an s3:// URL")
+                raise OptionError(f"remote={remote!r} is not an s3:// URL; the local durable tier is project_dir")
+        elif storage_options is not None:
+            raise OptionError(f"storage_options={storage_options!r} without remote=: they configure the s3:// "
+                              "remote tier only; pass remote='s3://bucket/prefix' or drop storage_options")
         self.budget = None
         if host_memory_budget is not None:
             from fastckpt._io.storage.local.shards import parse_size
 
-            self.budget = parse_size(host_memory_budget, "host_memory_budget")
+            self.budget = typed_option(parse_size, host_memory_budget, "host_memory_budget")
         self.distributed = is_distributed()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
+        if replicas and not self.distributed:
+            raise OptionError(f"replicas={replicas} needs several processes (torch.distributed initialised); this run "
+                              "has one, with no peer to hold a replica: pass replicas=0")
+        if replicas and replicas >= self.world:
+            raise OptionError(f"replicas={replicas} needs more than {replicas} processes; this run has {self.world}")
+        if replicas and memory is False or replicas and memory is None:
+            raise OptionError(f"replicas={replicas} copies the memory tier to peers; memory={memory!r} has none")
         root, self._memory_default = memory_root(memory, self.project, self.rank)
+        if root is not None:
+            check_writable(root, memory)
         self.memory: MemoryTier | None = None if root is None else MemoryTier(root).claim()  # one run per tier
         _managers += 1  # every option checked: the same sequence on every rank
         self.durable = None
@@ -161,6 +178,9 @@ class CheckpointManager:
         self.board = EventBoard(store, prefix)
         self.signals = SignalRecorder(signals)
         self.signals.install()
+        # a manager never closed (dropped, or its close raised) must not keep catching SIGTERM
+        self._finalizer = weakref.finalize(self, self.signals.uninstall)
+        self._failure: DurableSaveError | None = None  # rank 0: a durable failure to raise at the agreed step
         self.restored_from: str | None = None
         self.restored_step: int | None = None
         self.last_saved: int | None = None
@@ -264,6 +284,8 @@ class CheckpointManager:
         ahead = 1 if self.distributed else 0  # the others may be at this boundary already: propose the next
         if event is None and self.signals.pending:
             event = self.board.propose(step + ahead, "preempt")
+        if event is None and self._failure is not None:  # every rank raises it at the same step
+            event = self.board.propose(step + ahead, f"failed {self._failure}")
         if event is None and self.schedule.timed and self.rank == 0 and step != self.last_saved:
             busy = self.durable.busy if self.durable is not None else False
             if self.schedule.due_by_time(durable_busy=busy):
@@ -272,6 +294,8 @@ class CheckpointManager:
         if event is not None and event[0] <= step:
             act = event[1]
             self.board.consume()
+        if act is not None and act.startswith("failed "):
+            self._raise_failure(act[len("failed "):])
         if act == "preempt":
             self.preempted = self._preempt(step)
             if exit_on_preemption:
@@ -383,6 +407,9 @@ class CheckpointManager:
     def _preempt(self, step: int) -> Preempted:
         signum = self.signals.signum or signal.SIGTERM
         at = self.signals.at or time.monotonic()
+        if self._failure is not None:  # an older step's durable copy failed; this one supersedes it
+            logger.error("%s; superseded by the preemption save of step %d", self._failure, step)
+            self._failure = None
         if self.last_saved != step:
             self.save_now(step)
         path = self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"
@@ -402,8 +429,21 @@ class CheckpointManager:
         return Preempted(self.exit_code, step=step, signum=signum, path=path)
 
     def _check_background(self) -> None:
-        if self.durable is not None:
+        if self.durable is None:
+            return
+        try:
             self.durable.check()
+        except DurableSaveError as exc:
+            if not self.distributed:
+                raise
+            self._failure = self._failure or exc  # proposed on the board: raised by every rank at one step
+
+    def _raise_failure(self, described: str) -> None:
+        """Raise the agreed durable failure: rank 0 its own error, the others one naming it."""
+        own, self._failure = self._failure, None
+        if own is not None:
+            raise own
+        raise DurableSaveError(f"{described} (on process 0; raised on process {self.rank} at the same step)")
 
     # -- the end -------------------------------------------------------------------------------------------
     @property
@@ -427,7 +467,12 @@ class CheckpointManager:
             return
         self._closed = True
         self.signals.uninstall()
-        self.wait()
+        try:
+            self._drain()
+        except BaseException:
+            if self.memory is not None:  # kept: it may hold the newest step the durable tier lacks
+                self.memory.unclaim()
+            raise
         if self.memory is not None:
             self.memory.unclaim()
             if clear_memory:
@@ -435,6 +480,24 @@ class CheckpointManager:
                 if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
                     with contextlib.suppress(OSError):
                         self.memory.root.parent.rmdir()
+
+    def _drain(self) -> None:
+        """:meth:`wait`, and with several processes tell every one whether the durable tier failed (one store
+        round led by the main process: a missing process is a ``CollectiveTimeoutError`` within ``timeout``)."""
+        failure: DurableSaveError | None = None
+        try:
+            self.wait()
+        except DurableSaveError as exc:
+            failure = exc
+        failure = self._failure or failure
+        self._failure = None
+        if self.distributed and self.memory is not None:
+            described = Session("CheckpointManager.close", self.timeout).on_main(
+                lambda: None if failure is None else str(failure), step="durable tier outcome")
+            if failure is None and described is not None:
+                raise DurableSaveError(f"{described} (on process 0; raised on process {self.rank} at close())")
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> CheckpointManager:
         return self
