@@ -461,29 +461,39 @@ class CheckpointManager:
     def close(self, *, clear_memory: bool = True) -> None:
         """Wait for the durable tier and the replicas, raise a failure not yet raised, and put the previous signal
         handlers back. ``clear_memory``: remove this rank's memory tier (default True: a run that ended leaves
-        ``/dev/shm`` empty; a preemption or an exception inside ``with`` keeps it for the restart).
+        ``/dev/shm`` empty; a preemption or an exception inside ``with`` keeps it for the restart, and so does a
+        newest step whose durable copy failed). With several processes every one must call it (one store round).
+
+        Raises:
+            DurableSaveError: a background durable copy failed and was not raised yet, on every process (the
+                main process's names the cause). CollectiveTimeoutError: another process did not close within
+                ``timeout``.
         """
         if self._closed:
             return
         self._closed = True
         self.signals.uninstall()
         try:
-            self._drain()
+            durable = self._drain()
         except BaseException:
-            if self.memory is not None:  # kept: it may hold the newest step the durable tier lacks
+            if self.memory is not None:  # kept: it holds the newest step, which the durable tier lacks
                 self.memory.unclaim()
             raise
         if self.memory is not None:
             self.memory.unclaim()
-            if clear_memory:
+            if not durable and clear_memory:
+                logger.warning("CheckpointManager.close(): step %s is not durable (its copy failed); the memory tier "
+                               "%s keeps it for restore()", self.last_saved, self.memory.root)
+            if clear_memory and durable:
                 self.memory.clear()
                 if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
                     with contextlib.suppress(OSError):
                         self.memory.root.parent.rmdir()
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
         """:meth:`wait`, and with several processes tell every one whether the durable tier failed (one store
-        round led by the main process: a missing process is a ``CollectiveTimeoutError`` within ``timeout``)."""
+        round led by the main process: a missing process is a ``CollectiveTimeoutError`` within ``timeout``).
+        Returns whether the newest saved step is durable (else the memory tiers hold the only copy of it)."""
         failure: DurableSaveError | None = None
         try:
             self.wait()
@@ -491,13 +501,21 @@ class CheckpointManager:
             failure = exc
         failure = self._failure or failure
         self._failure = None
+
+        def outcome() -> tuple[str | None, bool]:
+            durable = self.durable is None or self.durable.done == self.last_saved
+            return (None if failure is None else str(failure)), durable
+
         if self.distributed and self.memory is not None:
-            described = Session("CheckpointManager.close", self.timeout).on_main(
-                lambda: None if failure is None else str(failure), step="durable tier outcome")
+            described, durable = Session("CheckpointManager.close", self.timeout).on_main(
+                outcome, step="durable tier outcome")
             if failure is None and described is not None:
                 raise DurableSaveError(f"{described} (on process 0; raised on process {self.rank} at close())")
+        else:
+            durable = outcome()[1]
         if failure is not None:
             raise failure
+        return durable
 
     def __enter__(self) -> CheckpointManager:
         return self
