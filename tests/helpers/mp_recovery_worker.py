@@ -93,6 +93,12 @@ def average_gradients(model: nn.Module) -> None:
         p.grad /= dist.get_world_size()
 
 
+def signal_then_average(model: nn.Module) -> None:
+    """SIGTERM to this process inside the step, just before the gradient all-reduce."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    average_gradients(model)
+
+
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -213,15 +219,10 @@ def random_preemptions(rank: int, world: int) -> None:
         else:
             at = start
         signalled = rank == who and moment in ("boundary", "all_reduce")
-
-        def sync(model, step):
-            if signalled and moment == "all_reduce" and step == at:
-                os.kill(os.getpid(), signal.SIGTERM)
-            average_gradients(model)
-
         try:
             for step in range(start, RANDOM_TOTAL):
-                train_step(*state, sync=lambda m, s=step + 1: sync(m, s))
+                mid = signalled and moment == "all_reduce" and step + 1 == at
+                train_step(*state, sync=signal_then_average if mid else average_gradients)
                 trap.step = step + 1
                 if signalled and moment == "boundary" and step + 1 == at:
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -263,9 +264,7 @@ def durable_failure(rank: int) -> None:
             except fastckpt.DurableSaveError as exc:
                 raised.append([step + 1, type(exc).__name__, "checkpoint_6" in str(exc), exc.__cause__ is not None])
             if step + 1 == 6 and rank == 0:  # the copy of step 6 has failed before step 7's boundary
-                d = mgr.durable
-                with d._cond:
-                    d._cond.wait_for(lambda: d._pending is None and d._running is None)
+                mgr.durable.idle()
         try:
             mgr.close()
         except fastckpt.DurableSaveError as exc:

@@ -75,11 +75,9 @@ def test_the_first_failure_is_raised_at_the_next_step_and_later_ones_are_logged(
     monkeypatch.setattr(durable, "copy_committed", refuse)
     train_step(*state)
     mgr.step(2)
-    with mgr.durable._cond:
-        mgr.durable._cond.wait_for(lambda: mgr.durable._running is None and mgr.durable._pending is None)
+    mgr.durable.idle()
     mgr.save_now(3)  # a second failure while the first is not raised yet
-    with mgr.durable._cond:
-        mgr.durable._cond.wait_for(lambda: mgr.durable._running is None and mgr.durable._pending is None)
+    mgr.durable.idle()
     with pytest.raises(fastckpt.DurableSaveError, match="durable save of step 2 .*PermissionError"):
         mgr.step(4)
     assert "durable save of step 3" in caplog.text

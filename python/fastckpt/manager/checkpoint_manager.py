@@ -14,7 +14,6 @@ May import: every private layer (layer 5, public package).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -36,8 +35,20 @@ from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt.errors import CheckpointError, DurableSaveError, OptionError, OptionTypeError
 from fastckpt.manager.durable import DurableWriter
-from fastckpt.manager.options import (check_count, check_exit_code, check_project, check_signals, check_step,
-                                      check_writable, memory_root, typed_option)
+from fastckpt.manager.ending import Ending
+from fastckpt.manager.options import (
+    check_budget,
+    check_count,
+    check_exit_code,
+    check_project,
+    check_remote,
+    check_replicas,
+    check_signals,
+    check_step,
+    check_writable,
+    memory_root,
+    typed_option,
+)
 from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
@@ -50,7 +61,7 @@ logger = logging.getLogger("fastckpt")
 _managers = 0  # managers made by this process: the same sequence on every rank (their store keys differ)
 
 
-class CheckpointManager:
+class CheckpointManager(Ending):
     """Periodic, preemption and crash-safe checkpoints of a training loop, with a memory tier and peer replicas.
 
     Args:
@@ -127,33 +138,12 @@ class CheckpointManager:
         self.exit_code = check_exit_code(preemption_exit_code)
         signals = check_signals(preemption_signals)
         self.storage_options = storage_options
-        self.remote = None
-        if remote is not None:
-            from fastckpt._io.storage.object.store import remote_url
-
-            if not isinstance(remote, str):
-                raise OptionTypeError(f"remote must be an s3:// URL (str), got {type(remote).__name__} {remote!r}")
-            self.remote = typed_option(remote_url, remote, "remote")
-            if self.remote is None:
-                raise OptionError(f"remote={remote!r} is not an s3:// URL; the local durable tier is project_dir")
-        elif storage_options is not None:
-            raise OptionError(f"storage_options={storage_options!r} without remote=: they configure the s3:// "
-                              "remote tier only; pass remote='s3://bucket/prefix' or drop storage_options")
-        self.budget = None
-        if host_memory_budget is not None:
-            from fastckpt._io.storage.local.shards import parse_size
-
-            self.budget = typed_option(parse_size, host_memory_budget, "host_memory_budget")
+        self.remote = check_remote(remote, storage_options)
+        self.budget = check_budget(host_memory_budget)
         self.distributed = is_distributed()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        if replicas and not self.distributed:
-            raise OptionError(f"replicas={replicas} needs several processes (torch.distributed initialised); this run "
-                              "has one, with no peer to hold a replica: pass replicas=0")
-        if replicas and replicas >= self.world:
-            raise OptionError(f"replicas={replicas} needs more than {replicas} processes; this run has {self.world}")
-        if replicas and memory is False or replicas and memory is None:
-            raise OptionError(f"replicas={replicas} copies the memory tier to peers; memory={memory!r} has none")
+        check_replicas(replicas, memory, self.world if self.distributed else None)
         root, self._memory_default = memory_root(memory, self.project, self.rank)
         if root is not None:
             check_writable(root, memory)
@@ -428,103 +418,9 @@ class CheckpointManager:
         self.close(clear_memory=False)
         return Preempted(self.exit_code, step=step, signum=signum, path=path)
 
-    def _check_background(self) -> None:
-        if self.durable is None:
-            return
-        try:
-            self.durable.check()
-        except DurableSaveError as exc:
-            if not self.distributed:
-                raise
-            self._failure = self._failure or exc  # proposed on the board: raised by every rank at one step
-
-    def _raise_failure(self, described: str) -> None:
-        """Raise the agreed durable failure: rank 0 its own error, the others one naming it."""
-        own, self._failure = self._failure, None
-        if own is not None:
-            raise own
-        raise DurableSaveError(f"{described} (on process 0; raised on process {self.rank} at the same step)")
-
     # -- the end -------------------------------------------------------------------------------------------
     @property
     def interval_seconds(self) -> float | None:
         """The seconds between time-based saves (``every_seconds``, or Young/Daly's from the measured cost)."""
         return self.schedule.interval_seconds
 
-    def wait(self) -> int | None:
-        """Wait until the durable tier (and the replicas) caught up; returns the newest durable step (rank 0;
-        None elsewhere). Raises a background failure not yet raised."""
-        if self.replicator is not None:
-            self.replicator.wait()
-        return self.durable.wait() if self.durable is not None else self.last_saved
-
-    def close(self, *, clear_memory: bool = True) -> None:
-        """Wait for the durable tier and the replicas, raise a failure not yet raised, and put the previous signal
-        handlers back. ``clear_memory``: remove this rank's memory tier (default True: a run that ended leaves
-        ``/dev/shm`` empty; a preemption or an exception inside ``with`` keeps it for the restart, and so does a
-        newest step whose durable copy failed). With several processes every one must call it (one store round).
-
-        Raises:
-            DurableSaveError: a background durable copy failed and was not raised yet, on every process (the
-                main process's names the cause). CollectiveTimeoutError: another process did not close within
-                ``timeout``.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        self.signals.uninstall()
-        try:
-            durable = self._drain()
-        except BaseException:
-            if self.memory is not None:  # kept: it holds the newest step, which the durable tier lacks
-                self.memory.unclaim()
-            raise
-        if self.memory is not None:
-            self.memory.unclaim()
-            if not durable and clear_memory:
-                logger.warning("CheckpointManager.close(): step %s is not durable (its copy failed); the memory tier "
-                               "%s keeps it for restore()", self.last_saved, self.memory.root)
-            if clear_memory and durable:
-                self.memory.clear()
-                if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
-                    with contextlib.suppress(OSError):
-                        self.memory.root.parent.rmdir()
-
-    def _drain(self) -> bool:
-        """:meth:`wait`, and with several processes tell every one whether the durable tier failed (one store
-        round led by the main process: a missing process is a ``CollectiveTimeoutError`` within ``timeout``).
-        Returns whether the newest saved step is durable (else the memory tiers hold the only copy of it)."""
-        failure: DurableSaveError | None = None
-        try:
-            self.wait()
-        except DurableSaveError as exc:
-            failure = exc
-        failure = self._failure or failure
-        self._failure = None
-
-        def outcome() -> tuple[str | None, bool]:
-            durable = self.durable is None or self.durable.done == self.last_saved
-            return (None if failure is None else str(failure)), durable
-
-        if self.distributed and self.memory is not None:
-            described, durable = Session("CheckpointManager.close", self.timeout).on_main(
-                outcome, step="durable tier outcome")
-            if failure is None and described is not None:
-                raise DurableSaveError(f"{described} (on process 0; raised on process {self.rank} at close())")
-        else:
-            durable = outcome()[1]
-        if failure is not None:
-            raise failure
-        return durable
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if isinstance(exc, Preempted):
-            return
-        if exc_type is not None:  # a crash: keep the memory tier for the restart, do not mask the error
-            self._closed = True
-            self.signals.uninstall()
-            return
-        self.close(clear_memory=True)

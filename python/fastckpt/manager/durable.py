@@ -147,6 +147,11 @@ class DurableWriter:
         self.check()
         return self.done
 
+    def idle(self) -> None:
+        """Wait until nothing is copied or waiting, raising nothing (the failure stays for :meth:`check`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending is None and self._running is None)
+
     def check(self) -> None:
         """Raise the failure of a background copy not yet raised (once).
 

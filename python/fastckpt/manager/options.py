@@ -16,8 +16,8 @@ from fastckpt._io.location import check_location
 from fastckpt._io.storage.memory import default_memory_root
 from fastckpt.errors import OptionError, OptionTypeError
 
-__all__ = ["check_count", "check_exit_code", "check_flag", "check_project", "check_signals", "check_writable", "memory_root",
-           "typed_option"]
+__all__ = ["check_budget", "check_count", "check_exit_code", "check_project", "check_remote",
+           "check_replicas", "check_signals", "check_writable", "memory_root", "typed_option"]
 
 T = TypeVar("T")
 
@@ -131,17 +131,6 @@ def typed_option(check: Callable[..., T], *args: Any) -> T:
         raise OptionError(str(exc)) from None
 
 
-def check_flag(name: str, value: Any) -> bool:
-    """A bool option (``continuous``): ``"no"`` or ``1`` would read as a truth value the user did not mean.
-
-    Raises:
-        OptionTypeError: not a bool.
-    """
-    if not isinstance(value, bool):
-        raise OptionTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
-
-
 def check_count(name: str, value: Any, low: int, *, none: bool = False) -> int | None:
     """An int option >= ``low`` (``keep``, ``replicas``, ``threads``); None allowed when ``none``.
 
@@ -156,6 +145,59 @@ def check_count(name: str, value: Any, low: int, *, none: bool = False) -> int |
     if value < low:
         raise OptionError(f"{name} must be an int >= {low}{' or None' if none else ''}, got {value!r}")
     return value
+
+
+def check_remote(remote: Any, storage_options: Any) -> Any:
+    """The remote durable tier's ``ObjectUrl`` (None without ``remote``).
+
+    Raises:
+        OptionTypeError: not a str. OptionError: not an ``s3://`` URL (a local path, another scheme, a malformed
+            URL), or ``storage_options`` without ``remote`` (they would be ignored).
+    """
+    if remote is None:
+        if storage_options is not None:
+            raise OptionError(f"storage_options={storage_options!r} without remote=: they configure the s3:// "
+                              "remote tier only; pass remote='s3://bucket/prefix' or drop storage_options")
+        return None
+    from fastckpt._io.storage.object.store import remote_url
+
+    if not isinstance(remote, str):
+        raise OptionTypeError(f"remote must be an s3:// URL (str), got {type(remote).__name__} {remote!r}")
+    url = typed_option(remote_url, remote, "remote")
+    if url is None:
+        raise OptionError(f"remote={remote!r} is not an s3:// URL; the local durable tier is project_dir")
+    return url
+
+
+def check_budget(budget: Any) -> int | None:
+    """``host_memory_budget`` in bytes (None: no bound).
+
+    Raises:
+        OptionTypeError: neither int nor str. OptionError: not a positive size (names the accepted units).
+    """
+    if budget is None:
+        return None
+    from fastckpt._io.storage.local.shards import parse_size
+
+    return typed_option(parse_size, budget, "host_memory_budget")
+
+
+def check_replicas(replicas: int, memory: Any, world: int | None) -> None:
+    """``replicas`` (already an int >= 0) against the run: ``world`` processes (None: not distributed).
+
+    Raises:
+        OptionError: replicas without peers (one process, or not fewer replicas than processes), or without a
+            memory tier to copy.
+    """
+    if not replicas:
+        return
+    if world is None:
+        raise OptionError(f"replicas={replicas} needs several processes (torch.distributed initialised); this run "
+                          "has one, with no peer to hold a replica: pass replicas=0")
+    if replicas >= world:
+        raise OptionError(f"replicas={replicas} needs more than {replicas} processes; this run has {world}")
+    if memory is False or memory is None:
+        raise OptionError(f"replicas={replicas} copies the memory tier to peers; memory={memory!r} has none")
 
 
 def check_writable(root: Path, given: Any) -> None:
