@@ -83,3 +83,45 @@ def test_the_first_failure_is_raised_at_the_next_step_and_later_ones_are_logged(
     assert "durable save of step 3" in caplog.text
     monkeypatch.undo()
     mgr.close()
+
+
+def test_a_failure_superseded_by_the_step_waited_for_is_logged_not_raised(tmp_path, monkeypatch, caplog):
+    """A preemption save waits for its own step: an older step's failed copy must not stop it from exiting."""
+    import fastckpt.manager.durable as durable
+
+    real = durable.copy_committed
+
+    def fail_step_2(src, target, **kw):
+        if target.name == "checkpoint_2":
+            raise OSError(errno.EIO, "Input/output error", str(target))
+        return real(src, target, **kw)
+
+    monkeypatch.setattr(durable, "copy_committed", fail_step_2)
+    state = build()
+    mgr = manager(tmp_path, state)
+    train_step(*state)
+    mgr.step(2)
+    mgr.durable.idle()
+    mgr.save_now(4)  # makes no background check
+    assert mgr.durable.wait(4) == 4
+    assert "durable save of step 2" in caplog.text and "superseded: step 4 is durable" in caplog.text
+    assert mgr.wait() == 4  # nothing left to raise
+    mgr.close()
+
+
+def test_a_failed_rotation_says_the_step_is_committed(tmp_path, monkeypatch):
+    import fastckpt.manager.durable as durable
+
+    def refuse(project, keep):
+        raise PermissionError(errno.EACCES, "Permission denied", str(project / "checkpoints" / "checkpoint_0"))
+
+    monkeypatch.setattr(durable, "rotate_checkpoints", refuse)
+    state = build()
+    mgr = manager(tmp_path, state)
+    train_step(*state)
+    mgr.step(2)
+    with pytest.raises(fastckpt.DurableSaveError, match=r"rotation to keep=3 after step 2 failed \(PermissionError.*"
+                       r"checkpoint_2 is committed"):
+        mgr.wait()
+    assert fastckpt.latest_checkpoint(tmp_path / "proj").name == "checkpoint_2"
+    mgr.close()

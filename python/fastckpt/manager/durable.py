@@ -51,7 +51,7 @@ class DurableWriter:
         self._thread: threading.Thread | None = None
         self.done: int | None = None  # the newest step committed durably
         self.done_at: float | None = None
-        self._uploading = False  # the copy in flight is committed locally and being uploaded
+        self._stage = "copy"  # what the copy in flight is doing: "copy", "rotate" (committed), "upload"
         self._error: DurableSaveError | None = None  # the first failure not raised yet
         self.errors_seen: list[BaseException] = []
         watch(_unreported_failures)
@@ -74,8 +74,14 @@ class DurableWriter:
                 self.memory.release(self._pending)
             self._pending = step
             if self._thread is None:  # not a daemon: a normal exit finishes the copy in flight
-                self._thread = threading.Thread(target=self._run, name="fastckpt-durable-tier")
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="fastckpt-durable-tier")
+                try:
+                    thread.start()
+                except BaseException:  # no thread (resources): nothing waits for a copy that never runs
+                    self._pending = None
+                    self.memory.release(step)
+                    raise
+                self._thread = thread
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -101,10 +107,12 @@ class DurableWriter:
                     self._cond.notify_all()
 
     def _fail(self, step: int, exc: BaseException) -> None:
-        where = (f"upload of step {step} to {self.remote} failed ({type(exc).__name__}: {exc}); the local durable "
-                 f"copy {self.target(step)} is committed" if getattr(self, "_uploading", False) else
-                 f"save of step {step} to {self.target(step)} failed ({type(exc).__name__}: {exc}); nothing was "
-                 "committed there")
+        cause = f"({type(exc).__name__}: {exc})"
+        where = {"copy": f"save of step {step} to {self.target(step)} failed {cause}; nothing was committed there",
+                 "rotate": f"rotation to keep={self.keep} after step {step} failed {cause}; {self.target(step)} is "
+                           "committed",
+                 "upload": f"upload of step {step} to {self.remote} failed {cause}; the local durable copy "
+                           f"{self.target(step)} is committed"}[self._stage]
         error = DurableSaveError(f"CheckpointManager: the background durable {where}, and the newest durable step "
                                  f"is {self.done} (the memory tier still holds step {step})")
         error.__cause__ = exc
@@ -121,11 +129,12 @@ class DurableWriter:
     def _copy(self, step: int) -> None:
         started = time.perf_counter()
         src = self.memory.folder / f"checkpoint_{step}"
-        self._uploading = False
+        self._stage = "copy"
         target = copy_committed(src, self.target(step), durable=True)
-        self._uploading = self.remote is not None
+        self._stage = "rotate"  # only now: a failed copy leaves every older checkpoint in place
         if self.keep is not None:
             rotate_checkpoints(self.project, self.keep)
+        self._stage = "upload"
         if self.remote is not None:
             from fastckpt._io.storage.tiered.upload import start_tiered
 
@@ -138,12 +147,22 @@ class DurableWriter:
 
     def wait(self, step: int | None = None) -> int | None:
         """Wait until nothing is copied or waiting (``step`` given: until that step or a newer one is durable,
-        or the queue is empty); raises a failure not yet raised. Returns the newest durable step."""
+        or the queue is empty; then an older step's failure is logged, not raised); raises a failure not yet
+        raised. Returns the newest durable step.
+
+        Raises:
+            DurableSaveError: a copy failed (the first failure not raised yet).
+        """
         with self._cond:
             while self._pending is not None or self._running is not None:
                 if step is not None and self.done is not None and self.done >= step:
                     break
                 self._cond.wait()
+            if (step is not None and self._error is not None and self.done is not None and self.done >= step
+                    and self._error.step < self.done):  # type: ignore[attr-defined]
+                # an older step's failure, superseded by the durable step waited for: said, not raised
+                logger.error("%s; superseded: step %d is durable", self._error, self.done)
+                self._error = None
         self.check()
         return self.done
 
