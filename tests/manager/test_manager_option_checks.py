@@ -96,3 +96,27 @@ def test_good_options_still_make_a_manager(tmp_path):
                host_memory_budget="1MB")
     assert mgr.interval_seconds == 30 and mgr.keep is None and mgr.budget == 10**6
     mgr.close()
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"filename": "a/last.ckpt"}, OptionError, "filename must be a file name, got 'a/last.ckpt'"),
+    ({"filename": 3}, OptionTypeError, "filename must be a file name .str., got int 3"),
+    ({"signals": (signal.SIGKILL,)}, OptionError, "SIGKILL cannot be caught"),
+    ({"signals": ("USR1",)}, OptionTypeError, "'USR1' is not a signal number"),
+    ({"exit_code": 256}, OptionError, "preemption_exit_code must be in 0-255"),
+    ({"exit_code": "3"}, OptionTypeError, "preemption_exit_code must be an int"),
+    ({"timeout": -1}, OptionError, "timeout must be a positive number of seconds, got -1"),
+])
+def test_the_lightning_preemption_callback_checks_its_options_when_made(tmp_path, kw, exc, match):
+    pytest.importorskip("pytorch_lightning")
+    import fastckpt.lightning
+
+    with pytest.raises(exc, match=match):
+        fastckpt.lightning.PreemptionCheckpoint(tmp_path, **kw)
+
+
+def test_the_trainer_preemption_signals_are_a_typed_error():
+    from fastckpt.transformers.preemption import check_signals
+
+    with pytest.raises(OptionError, match="fastckpt_preemption_signals: 9 is not a signal that can be caught"):
+        check_signals([int(signal.SIGKILL)])
