@@ -93,8 +93,13 @@ class CheckpointManager(Ending):
         timeout: seconds a process waits for the others at a save, a restore or a preemption (float).
 
     Raises:
-        ValueError: a bad option (names it), before anything is installed or written. TypeError: a model that is
-            not a module, an option of the wrong type.
+        OptionError: (a ValueError) a bad option value, named with the value, before anything is installed,
+            claimed or started: a non-finite or non-positive interval, ``keep=0``, ``replicas`` without peers
+            (one process) or without a memory tier, a ``memory`` folder this process cannot write, a ``remote``
+            that is not ``s3://``, ``storage_options`` without ``remote``.
+        OptionTypeError: (an OptionError and a TypeError) an option of the wrong type (``continuous="no"``,
+            ``every_n_steps=True``), ``model=[]``. TypeError: a model that is not a module.
+        CheckpointError: another process holds the memory tier (names its pid).
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("run", model, optimizer, scheduler, every_n_steps=100)
