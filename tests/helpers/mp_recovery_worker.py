@@ -25,6 +25,7 @@ all-reduce's summation order; with 2 processes the sum of two values does not de
   the same step for step 6 (agreed through the store) and at close() for step 9; the durable tier keeps step 3.
 - continuous: ``continuous=True``: the main process proposes each save through the store when the previous one is
   durable; every rank must save at the same steps.
+- fsdp_memory / fsdp_damaged / fsdp_lost: FSDP2 states in the memory tier (tests/helpers/mp_fsdp_manager.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fastckpt
+from helpers.mp_fsdp_manager import fsdp_scenarios
 from helpers.recovery_loop import Counter, DataOrder, fingerprint, seed_globals, train_step
 
 OUT = Path(sys.argv[1])
@@ -300,6 +302,7 @@ def main() -> None:
         random_preemptions(rank, world)
         durable_failure(rank)
         continuous(rank)
+        fsdp_scenarios(OUT, rank, world, checks)
         checks["crash"] = None
     except BaseException:
         checks["crash"] = traceback.format_exc()[-4000:]
