@@ -33,6 +33,9 @@ __all__ = [
     "ConcurrentModificationError",
     "SaveCancelledError",
     "ConcurrentSaveError",
+    "OptionError",
+    "OptionTypeError",
+    "DurableSaveError",
     "TierSkippedWarning",
     "ResumeWarning",
 ]
@@ -134,6 +137,24 @@ class ConcurrentSaveError(CheckpointError, FileExistsError):
     """Another save committed the same object-store checkpoint first (both raced for its next manifest; the
     conditional create let exactly one win). The committed state is the other save's, complete; this save's objects
     were removed. The message names the manifest object."""
+
+
+class OptionError(CheckpointError, ValueError):
+    """An option of a fastckpt object has a value it cannot work with (a ``keep=0``, an infinite interval, a memory
+    folder that cannot be written): raised at construction, before anything is installed, started or written. The
+    message names the option and the value given."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An option of the wrong type (``continuous="no"``, ``every_n_steps=True``): an :class:`OptionError` that is
+    also a ``TypeError``. The message names the option, the type and the value given."""
+
+
+class DurableSaveError(CheckpointError, OSError):
+    """A background copy of a checkpoint to the durable tier (or its upload) failed: nothing was committed there and
+    the previous durable checkpoint is still the latest. Raised on every process at its next
+    ``CheckpointManager.step()`` or ``close()``; the message names the step, the folder and the original error
+    (its ``__cause__`` on the process that made the copy)."""
 
 
 class TierSkippedWarning(UserWarning):

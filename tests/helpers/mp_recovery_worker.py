@@ -17,6 +17,12 @@ all-reduce's summation order; with 2 processes the sum of two values does not de
 - damaged_memory: replicas=1; a flipped byte in rank 0's memory tier: rank 0 warns (TierSkippedWarning) and restores
   from the peer holding its replica, the others from their memory tiers.
 - durable_only: every memory tier deleted: every rank restores from the local durable tier.
+- random_preempt: 5 SIGTERMs in one job, each to a random rank at a random moment (at a step boundary, inside the
+  gradient all-reduce, inside a save, inside the restore) and step, drawn from ``FASTCKPT_TEST_SEED`` (the same on
+  every rank; only the chosen rank sends itself the signal, from the loop: no sleeps); every rank must save the
+  same step durably and raise Preempted, and the job, restarted after each, ends equal to its uninterrupted run.
+- durable_failed: rank 0's background durable copies of steps 6 and 9 fail; every rank raises DurableSaveError, at
+  the same step for step 6 (agreed through the store) and at close() for step 9; the durable tier keeps step 3.
 - continuous: ``continuous=True``: the main process proposes each save through the store when the previous one is
   durable; every rank must save at the same steps.
 - fsdp_memory / fsdp_damaged / fsdp_lost: FSDP2 states in the memory tier (tests/helpers/mp_fsdp_manager.py).
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -86,6 +93,12 @@ def average_gradients(model: nn.Module) -> None:
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
+
+
+def signal_then_average(model: nn.Module) -> None:
+    """SIGTERM to this process inside the step, just before the gradient all-reduce."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    average_gradients(model)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -158,6 +171,113 @@ def scenarios(rank: int, world: int) -> None:
     mgr.close()
 
 
+class Trap:
+    """A per-rank registered object that sends SIGTERM to this process from inside a save or a restore."""
+
+    def __init__(self) -> None:
+        self.on_save: int | None = None
+        self.on_restore = False
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        if self.on_save is not None and self.step == self.on_save:
+            self.on_save = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.on_restore:
+            self.on_restore = False
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+RANDOM_TOTAL, RANDOM_ROUNDS = 32, 5
+
+
+def random_preemptions(rank: int, world: int) -> None:
+    rng = random.Random(int(os.environ.get("FASTCKPT_TEST_SEED", "25")))  # the same draws on every rank
+    mgr, _, ref, _ = train("random_ref", rank, until=RANDOM_TOTAL)
+    mgr.close()
+    rounds, final = [], None
+    later = ["boundary", "all_reduce", "save", "restore"]  # every moment once after the first (nothing to restore)
+    rng.shuffle(later)
+    moments = [rng.choice(["boundary", "all_reduce"])] + later
+    for r in range(RANDOM_ROUNDS + 1):
+        state, trap = build(rank), Trap()
+        seed_globals(1 + rank)
+        mgr = manager("random", state, rank)
+        mgr.register_for_checkpointing(trap, per_rank=True)
+        moment = who = at = None
+        if r < RANDOM_ROUNDS:
+            moment = moments[r]
+            who = rng.randrange(world)
+        trap.on_restore = moment == "restore" and rank == who
+        start = mgr.restore()
+        if moment in ("boundary", "all_reduce"):
+            at = rng.randrange(start + 1, start + 3)
+        elif moment == "save":  # inside the next due save (its gather of the per-rank states)
+            at = next(s for s in range(start + 1, RANDOM_TOTAL) if s % EVERY == 0)
+            trap.on_save = at if rank == who else None
+        else:
+            at = start
+        signalled = rank == who and moment in ("boundary", "all_reduce")
+        try:
+            for step in range(start, RANDOM_TOTAL):
+                mid = signalled and moment == "all_reduce" and step + 1 == at
+                train_step(*state, sync=signal_then_average if mid else average_gradients)
+                trap.step = step + 1
+                if signalled and moment == "boundary" and step + 1 == at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                mgr.step(step + 1)
+        except fastckpt.Preempted as exc:
+            durable = exc.path / "fastckpt.json"
+            rounds.append([moment, who, at, start, exc.step, mgr.restored_from, durable.is_file()])
+            dist.barrier()  # every rank raised before the next "restart" reads the tiers
+            continue
+        mgr.close()
+        final = fingerprint(*state)
+        rounds.append([None, None, None, start, None, mgr.restored_from, None])
+        break
+    checks["random_rounds"] = rounds
+    checks["random_equal"] = final is not None and same(final, ref)
+
+
+def durable_failure(rank: int) -> None:
+    import fastckpt.manager.durable as durable_mod
+
+    real = durable_mod.copy_committed
+
+    def failing(src, target, **kw):
+        if target.name in ("checkpoint_6", "checkpoint_9"):
+            raise OSError(28, "No space left on device (injected)", str(target))
+        return real(src, target, **kw)
+
+    state = build(rank)
+    seed_globals(1 + rank)
+    mgr = manager("durable_failed", state, rank)
+    if rank == 0:
+        durable_mod.copy_committed = failing
+    raised = []
+    try:
+        for step in range(9):
+            train_step(*state, sync=average_gradients)
+            try:
+                mgr.step(step + 1)
+            except fastckpt.DurableSaveError as exc:
+                raised.append([step + 1, type(exc).__name__, "checkpoint_6" in str(exc), exc.__cause__ is not None])
+            if step + 1 == 6 and rank == 0:  # the copy of step 6 has failed before step 7's boundary
+                mgr.durable.idle()
+        try:
+            mgr.close()
+        except fastckpt.DurableSaveError as exc:
+            raised.append(["close", type(exc).__name__, "checkpoint_9" in str(exc), exc.__cause__ is not None])
+    finally:
+        durable_mod.copy_committed = real
+    checks["durable_failed_raised"] = raised
+    dist.barrier()
+    checks["durable_failed_latest"] = fastckpt.latest_checkpoint(OUT / "durable_failed" / "proj").name
+
+
 def continuous(rank: int) -> None:
     state = build(rank)
     seed_globals(1 + rank)
@@ -179,6 +299,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         scenarios(rank, world)
+        random_preemptions(rank, world)
+        durable_failure(rank)
         continuous(rank)
         fsdp_scenarios(OUT, rank, world, checks)
         checks["crash"] = None

@@ -1,8 +1,9 @@
 """CheckpointManager with 2 and 4 real processes (``torchrun``, gloo, CPU, DDP): one launch per world size runs
 every scenario of tests/helpers/mp_recovery_worker.py (a preemption seen by one rank saved by all at the same
 step, a lost node restored from a peer's replica without reading the durable tier, a damaged memory tier replaced
-by the peer's replica, every memory tier lost: the durable tier), each resumed bit-exactly against the
-uninterrupted multi-process run of the same launch."""
+by the peer's replica, every memory tier lost: the durable tier, five SIGTERMs to random ranks at random moments,
+a failed durable copy raised on every rank), each resumed bit-exactly against the uninterrupted multi-process run
+of the same launch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_recovery_worker.py"
 K = 4  # the step during which the last rank gets SIGTERM (the worker's K)
+SEED = "25"  # the worker's draws of the random preemptions (FASTCKPT_TEST_SEED): printed in a failure
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -23,7 +25,7 @@ def run(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"recovery{world}")
     tests = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", FASTCKPT_TEST_SEED=SEED,
                PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=600)
@@ -73,6 +75,38 @@ def test_continuous_saves_are_agreed(run):
     saved = [res["continuous_saved"] for res in results]
     # proposed by the main process at the step after a save was durable, for the next step: every other step
     assert saved == [[2, 4, 6, 8]] * world
+
+
+def test_random_sigterms_every_rank_saves_the_step_and_the_job_ends_bit_exact(run):
+    """Five SIGTERMs, each to one random rank at a random step, at a step boundary, inside the gradient all-reduce,
+    inside a save or inside the restore: every rank saves the same step durably (the first boundary after the
+    signalled rank's, agreed through the store) and raises Preempted; the job, restarted after each, ends equal to
+    the uninterrupted run of the same launch."""
+    world, out, results = run
+    rounds = results[0]["random_rounds"]
+    assert all(res["random_rounds"] == rounds for res in results), f"seed {SEED}"
+    assert len(rounds) == 6 and rounds[-1][0] is None, rounds  # five preemptions, then the run to the end
+    assert sorted(r[0] for r in rounds[1:-1]) == ["all_reduce", "boundary", "restore", "save"], rounds
+    previous = 0
+    for moment, who, at, start, saved, restored_from, durable in rounds[:-1]:
+        assert 0 <= who < world and start == previous
+        # the signalled rank proposes the step after the boundary where it first saw the signal
+        seen_at = {"boundary": at, "all_reduce": at, "save": at + 1, "restore": start + 1}[moment]
+        assert saved == seen_at + 1, (moment, who, at, start, saved, f"seed {SEED}")
+        assert durable is True and restored_from == (None if start == 0 else "memory")
+        previous = saved
+    assert rounds[-1][3] == previous and rounds[-1][5] == "memory"
+    assert all(res["random_equal"] is True for res in results), f"seed {SEED}"
+
+
+def test_a_failed_durable_copy_is_raised_on_every_rank(run):
+    """Rank 0's copies of steps 6 and 9 fail: every rank raises DurableSaveError at the same step (8: rank 0 learned
+    it at step 7's boundary and proposed the next) and at close(); the durable tier keeps step 3 the latest."""
+    world, out, results = run
+    for r, res in enumerate(results):
+        own = r == 0  # rank 0 raises its own error (the OSError as __cause__); the others one naming it
+        assert res["durable_failed_raised"] == [[8, "DurableSaveError", True, own], ["close", "DurableSaveError", True, own]]
+        assert res["durable_failed_latest"] == "checkpoint_3"
 
 
 def test_fsdp_local_shards_restore_from_memory_bit_exact(run):

@@ -251,9 +251,10 @@ def test_a_failed_background_save_is_raised_at_the_next_step(tmp_path):
     (tmp_path / "proj" / "checkpoints").write_text("a file where the durable tier goes")
     train_step(*state)
     mgr.step(2)  # committed in memory; the durable copy fails in the background
-    with pytest.raises(OSError) as info:
+    with pytest.raises(fastckpt.DurableSaveError) as info:
         mgr.wait()
-    assert "background durable save" in "".join(getattr(info.value, "__notes__", []))
+    assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, OSError)
+    assert "background durable save of step 2" in str(info.value) and "newest durable step is None" in str(info.value)
     mgr.wait()  # raised once
     mgr.close()
 
@@ -294,8 +295,9 @@ def test_a_failed_background_save_nobody_waited_for_is_reported_at_exit(tmp_path
         "mgr.step(1)\n"  # the script ends without close(): the durable copy fails in the background
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert "fastckpt: a CheckpointManager background save to" in proc.stderr
-    assert "failed and nobody waited for it" in proc.stderr and "checkpoints" in proc.stderr
+    assert proc.returncode == 1, proc.stderr  # the exit report's status, as for an unwaited async save
+    assert f"fastckpt: a CheckpointManager background durable save to {tmp_path / 'proj'} failed" in proc.stderr
+    assert "DurableSaveError" in proc.stderr and "checkpoints" in proc.stderr
 
 
 class Trap:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fastckpt.errors import OptionError, OptionTypeError
+
 __all__ = ["checkpoint_manager"]
 
 
@@ -39,8 +41,8 @@ def checkpoint_manager(accelerator: Any, project_dir: str | os.PathLike[str] | N
         The manager (a context manager; ``close()`` it at the end).
 
     Raises:
-        ValueError: no ``project_dir`` here nor on the Accelerator; a bad manager option.
-        TypeError: nothing prepared (no model), or a registered object without ``state_dict()``.
+        OptionError: (a ValueError) no ``project_dir`` here nor on the Accelerator; a bad manager option.
+        OptionTypeError / TypeError: nothing prepared (no model), or a registered object without ``state_dict()``.
         NotImplementedError: DeepSpeed, FSDP, Megatron-LM or XLA (their engines keep their own state).
 
     Example:
@@ -60,10 +62,11 @@ def checkpoint_manager(accelerator: Any, project_dir: str | os.PathLike[str] | N
     if project_dir is None:
         project_dir = getattr(accelerator, "project_dir", None)
         if project_dir is None:
-            raise ValueError("no project_dir: pass one, or make the Accelerator with "
+            raise OptionError("project_dir=None and the Accelerator has no project_dir: pass one, or make the "
+                              "Accelerator with "
                              "ProjectConfiguration(project_dir=...)")
     if not accelerator._models:
-        raise TypeError("the Accelerator has no prepared model: call accelerator.prepare(model, ...) first")
+        raise OptionTypeError("the Accelerator has no prepared model: call accelerator.prepare(model, ...) first")
     mgr = fastckpt.CheckpointManager(project_dir, list(accelerator._models), list(accelerator._optimizers) or None,
                                      list(accelerator._schedulers) or None, **kwargs)
     objects = list(accelerator._custom_objects)

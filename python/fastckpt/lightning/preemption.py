@@ -52,6 +52,10 @@ class PreemptionCheckpoint(pl.Callback):
         exit_code: the :class:`fastckpt.Preempted` exit code (default 0).
         timeout: seconds a process waits for the others (several processes).
 
+    Raises (at construction):
+        OptionError / OptionTypeError: a filename that is not a plain file name, a signal that cannot be caught,
+            an exit code outside 0-255, a non-positive timeout (each named with its value).
+
     Raises (at the preempted step):
         Preempted: the step reached is saved (a ``SystemExit``; Lightning runs its ``on_exception`` hooks and
             teardown, then the process exits with ``exit_code``).
@@ -66,13 +70,19 @@ class PreemptionCheckpoint(pl.Callback):
     def __init__(self, dirpath: str | os.PathLike[str] | None = None, filename: str = "last.ckpt", *,
                  signals: Sequence[int] = (signal.SIGUSR1,), exit_code: int = 0, timeout: float | None = None) -> None:
         super().__init__()
+        from fastckpt._io.group.distributed import check_timeout
+        from fastckpt.errors import OptionError, OptionTypeError
+        from fastckpt.manager.options import check_exit_code, check_signals, typed_option
+
+        if not isinstance(filename, str):
+            raise OptionTypeError(f"filename must be a file name (str), got {type(filename).__name__} {filename!r}")
         if not filename or os.sep in filename:
-            raise ValueError(f"filename must be a file name, got {filename!r}")
+            raise OptionError(f"filename must be a file name, got {filename!r}")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.filename = filename
-        self.signals = tuple(int(s) for s in signals)
-        self.exit_code = int(exit_code)
-        self.timeout = timeout
+        self.signals = check_signals(signals)  # refused here, not at the fit's first batch
+        self.exit_code = check_exit_code(exit_code)
+        self.timeout = None if timeout is None else typed_option(check_timeout, timeout)
         self.manager: Any = None
         self._last_step: int | None = None
 

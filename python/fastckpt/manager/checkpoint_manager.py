@@ -14,12 +14,12 @@ May import: every private layer (layer 5, public package).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
 import signal
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,9 +33,22 @@ from fastckpt._io.storage.local.commit import write_checkpoint
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier
-from fastckpt.errors import CheckpointError
+from fastckpt.errors import CheckpointError, DurableSaveError, OptionError, OptionTypeError
 from fastckpt.manager.durable import DurableWriter
-from fastckpt.manager.options import check_exit_code, check_project, check_signals, check_step, memory_root
+from fastckpt.manager.ending import Ending
+from fastckpt.manager.options import (
+    check_budget,
+    check_count,
+    check_exit_code,
+    check_project,
+    check_remote,
+    check_replicas,
+    check_signals,
+    check_step,
+    check_writable,
+    memory_root,
+    typed_option,
+)
 from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
@@ -49,7 +62,7 @@ logger = logging.getLogger("fastckpt")
 _managers = 0  # managers made by this process: the same sequence on every rank (their store keys differ)
 
 
-class CheckpointManager:
+class CheckpointManager(Ending):
     """Periodic, preemption and crash-safe checkpoints of a training loop, with a memory tier and peer replicas.
 
     Args:
@@ -81,8 +94,13 @@ class CheckpointManager:
         timeout: seconds a process waits for the others at a save, a restore or a preemption (float).
 
     Raises:
-        ValueError: a bad option (names it), before anything is installed or written. TypeError: a model that is
-            not a module, an option of the wrong type.
+        OptionError: (a ValueError) a bad option value, named with the value, before anything is installed,
+            claimed or started: a non-finite or non-positive interval, ``keep=0``, ``replicas`` without peers
+            (one process) or without a memory tier, a ``memory`` folder this process cannot write, a ``remote``
+            that is not ``s3://``, ``storage_options`` without ``remote``.
+        OptionTypeError: (an OptionError and a TypeError) an option of the wrong type (``continuous="no"``,
+            ``every_n_steps=True``), ``model=[]``. TypeError: a model that is not a module.
+        CheckpointError: another process holds the memory tier (names its pid).
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("run", model, optimizer, scheduler, every_n_steps=100)
@@ -107,40 +125,35 @@ class CheckpointManager:
         self.project = check_project(project_dir)
         self.models = checked_list(model, "model")
         if not self.models:
-            raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
+            raise OptionTypeError(f"model={model!r} holds no module; pass the torch.nn.Module (or a non-empty list "
+                                  "of them) to checkpoint")
         from fastckpt._state.sharded import is_sharded
 
         if (sharded := is_sharded(self.models)) and remote is not None:  # FSDP2 / DTensor: manager/sharded.py
-            raise ValueError("remote= is not supported for sharded (FSDP2 / DTensor) models yet; pass remote=None")
+            raise OptionError(f"remote={remote!r}: a remote tier is not supported for sharded (FSDP2 / DTensor) "
+                              "models yet; pass remote=None")
         self.sharded = sharded
         self.optimizers = checked_list(optimizer, "optimizer")
         self.schedulers = checked_list(scheduler, "scheduler")
         self.objects: list[Registered] = []
         self.schedule = Schedule(every_n_steps=every_n_steps, every_seconds=every_seconds, continuous=continuous,
                                  mtbf=mtbf)
-        for name, value, low in (("replicas", replicas, 0), ("keep", keep, 1), ("threads", threads, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        self.keep, self.threads, self.timeout = keep, threads, check_timeout(timeout)
+        check_count("replicas", replicas, 0)
+        self.keep = check_count("keep", keep, 1, none=True)
+        self.threads = check_count("threads", threads, 0)
+        self.timeout = typed_option(check_timeout, timeout)
         self.exit_code = check_exit_code(preemption_exit_code)
         signals = check_signals(preemption_signals)
         self.storage_options = storage_options
-        self.remote = None
-        if remote is not None:
-            from fastckpt._io.storage.object.store import remote_url
-
-            self.remote = remote_url(remote, "remote")
-            if self.remote is None:
-                raise ValueError(f"remote={remote!r} is not an s3:// URL")
-        self.budget = None
-        if host_memory_budget is not None:
-            from fastckpt._io.storage.local.shards import parse_size
-
-            self.budget = parse_size(host_memory_budget, "host_memory_budget")
+        self.remote = check_remote(remote, storage_options)
+        self.budget = check_budget(host_memory_budget)
         self.distributed = is_distributed()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
+        check_replicas(replicas, memory, self.world if self.distributed else None)
         root, self._memory_default = memory_root(memory, self.project, self.rank)
+        if root is not None:
+            check_writable(root, memory)
         self.memory: MemoryTier | None = None if root is None else MemoryTier(root).claim()  # one run per tier
         _managers += 1  # every option checked: the same sequence on every rank
         self.durable = None
@@ -162,6 +175,9 @@ class CheckpointManager:
         self.board = EventBoard(store, prefix)
         self.signals = SignalRecorder(signals)
         self.signals.install()
+        # a manager never closed (dropped, or its close raised) must not keep catching SIGTERM
+        self._finalizer = weakref.finalize(self, self.signals.uninstall)
+        self._failure: DurableSaveError | None = None  # rank 0: a durable failure to raise at the agreed step
         self.restored_from: str | None = None
         self.restored_step: int | None = None
         self.last_saved: int | None = None
@@ -265,6 +281,8 @@ class CheckpointManager:
         ahead = 1 if self.distributed else 0  # the others may be at this boundary already: propose the next
         if event is None and self.signals.pending:
             event = self.board.propose(step + ahead, "preempt")
+        if event is None and self._failure is not None:  # every rank raises it at the same step
+            event = self.board.propose(step + ahead, f"failed {self._failure}")
         if event is None and self.schedule.timed and self.rank == 0 and step != self.last_saved:
             busy = self.durable.busy if self.durable is not None else False
             if self.schedule.due_by_time(durable_busy=busy):
@@ -273,6 +291,8 @@ class CheckpointManager:
         if event is not None and event[0] <= step:
             act = event[1]
             self.board.consume()
+        if act is not None and act.startswith("failed "):
+            self._raise_failure(act[len("failed "):])
         if act == "preempt":
             self.preempted = self._preempt(step)
             if exit_on_preemption:
@@ -384,6 +404,9 @@ class CheckpointManager:
     def _preempt(self, step: int) -> Preempted:
         signum = self.signals.signum or signal.SIGTERM
         at = self.signals.at or time.monotonic()
+        if self._failure is not None:  # an older step's durable copy failed; this one supersedes it
+            logger.error("%s; superseded by the preemption save of step %d", self._failure, step)
+            self._failure = None
         if self.last_saved != step:
             self.save_now(step)
         path = self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"
@@ -402,49 +425,9 @@ class CheckpointManager:
         self.close(clear_memory=False)
         return Preempted(self.exit_code, step=step, signum=signum, path=path)
 
-    def _check_background(self) -> None:
-        if self.durable is not None:
-            self.durable.check()
-
     # -- the end -------------------------------------------------------------------------------------------
     @property
     def interval_seconds(self) -> float | None:
         """The seconds between time-based saves (``every_seconds``, or Young/Daly's from the measured cost)."""
         return self.schedule.interval_seconds
 
-    def wait(self) -> int | None:
-        """Wait until the durable tier (and the replicas) caught up; returns the newest durable step (rank 0;
-        None elsewhere). Raises a background failure not yet raised."""
-        if self.replicator is not None:
-            self.replicator.wait()
-        return self.durable.wait() if self.durable is not None else self.last_saved
-
-    def close(self, *, clear_memory: bool = True) -> None:
-        """Wait for the durable tier and the replicas, raise a failure not yet raised, and put the previous signal
-        handlers back. ``clear_memory``: remove this rank's memory tier (default True: a run that ended leaves
-        ``/dev/shm`` empty; a preemption or an exception inside ``with`` keeps it for the restart).
-        """
-        if self._closed:
-            return
-        self._closed = True
-        self.signals.uninstall()
-        self.wait()
-        if self.memory is not None:
-            self.memory.unclaim()
-            if clear_memory:
-                self.memory.clear()
-                if self._memory_default:  # /dev/shm/fastckpt-{job}, once no rank's folder is left in it
-                    with contextlib.suppress(OSError):
-                        self.memory.root.parent.rmdir()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if isinstance(exc, Preempted):
-            return
-        if exc_type is not None:  # a crash: keep the memory tier for the restart, do not mask the error
-            self._closed = True
-            self.signals.uninstall()
-            return
-        self.close(clear_memory=True)

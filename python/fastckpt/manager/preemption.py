@@ -18,9 +18,11 @@ May import: every private layer (layer 5, public package).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any
 
 __all__ = ["EventBoard", "Preempted", "SignalRecorder"]
@@ -49,36 +51,49 @@ class Preempted(SystemExit):
 
 
 class SignalRecorder:
-    """Installs a handler for ``signals`` that records the first signal's number and time (``time.monotonic``)
-    and counts the rest; :meth:`uninstall` puts the previous handlers back. Only the main thread can install
-    handlers: elsewhere nothing is installed (:attr:`installed` is False) and :meth:`trigger` still works."""
+    """Records the first preemption signal's number and time (``time.monotonic``) and counts the rest, once
+    :meth:`install` ed; :meth:`uninstall` takes it off. Only the main thread can install handlers: elsewhere
+    nothing is installed (:attr:`installed` is False) and :meth:`trigger` still works.
+
+    One process-wide handler (:func:`_dispatch`) serves every installed recorder, so managers chain: the handler
+    found before the first one (``SIG_DFL``, the user's own) is put back when the last one is uninstalled, whatever
+    the order; a manager collected without ``close()`` is uninstalled by its finalizer, and one collected where no
+    handler can be set (another thread) is dropped by the handler itself at the next signal, which then gets the
+    treatment it would have had without fastckpt (the previous handler runs; ``SIG_DFL``: the process ends by
+    the signal)."""
 
     def __init__(self, signals: tuple[int, ...]) -> None:
         self.signals = tuple(int(s) for s in signals)
         self.signum: int | None = None
         self.at: float | None = None
         self.count = 0
-        self._previous: dict[int, Any] = {}
         self.installed = False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handle)
-        self.installed = True
+        with _lock:
+            for s in self.signals:
+                if signal.getsignal(s) is not _dispatch:
+                    _outer[s] = signal.signal(s, _dispatch)
+                _live.setdefault(s, []).append(weakref.ref(self))
+            self.installed = bool(self.signals)
 
     def uninstall(self) -> None:
-        for s, prev in self._previous.items():
-            try:
-                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-            except (ValueError, TypeError):  # not the main thread any more (interpreter shutdown)
-                pass
-        self._previous.clear()
-        self.installed = False
-
-    def _handle(self, signum: int, frame: Any) -> None:  # only records: async-signal-safe in Python's sense
-        self.trigger(signum)
+        """Stop recording; the last recorder of a signal puts back the handler found before the first one (left
+        to :func:`_dispatch` off the main thread, or when another handler replaced fastckpt's since)."""
+        with _lock:
+            self.installed = False
+            main = threading.current_thread() is threading.main_thread()
+            for s in self.signals:
+                refs = _live.get(s, [])
+                refs[:] = [r for r in refs if r() is not None and r() is not self and r().installed]
+                if refs or not main or signal.getsignal(s) is not _dispatch:
+                    continue
+                try:
+                    signal.signal(s, _usable(_outer.pop(s, signal.SIG_DFL)))
+                except (ValueError, TypeError):  # interpreter shutdown
+                    pass
 
     def trigger(self, signum: int = signal.SIGTERM) -> None:
         """Record a preemption as if ``signum`` had arrived (from a callback, or a scheduler's notice API)."""
@@ -90,6 +105,34 @@ class SignalRecorder:
     @property
     def pending(self) -> bool:
         return self.signum is not None
+
+
+_lock = threading.RLock()
+_outer: dict[int, Any] = {}  # per signal: the handler found when the first recorder was installed
+_live: dict[int, list[weakref.ref[SignalRecorder]]] = {}  # per signal: the installed recorders, oldest first
+
+
+def _usable(handler: Any) -> Any:
+    return signal.SIG_DFL if handler is None else handler  # None: installed from C; the default is the honest one
+
+
+def _dispatch(signum: int, frame: Any) -> None:
+    """The process's handler while a recorder is installed: every live recorder records the signal (it only
+    records: async-signal-safe in Python's sense); with none left (their managers collected off the main thread),
+    the handler found before the first one is put back and gets the signal."""
+    with _lock:
+        live = [r for ref in _live.get(signum, ()) if (r := ref()) is not None and r.installed]
+        if not live:
+            _live.pop(signum, None)
+            outer = _usable(_outer.pop(signum, signal.SIG_DFL))
+            signal.signal(signum, outer)
+    if live:
+        for recorder in live:
+            recorder.trigger(signum)
+    elif callable(outer):
+        outer(signum, frame)
+    elif outer == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)  # the default action, as if fastckpt had never caught it
 
 
 class EventBoard:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import time
 
+from fastckpt.errors import OptionError, OptionTypeError
+
 __all__ = ["Schedule", "young_daly_interval"]
 
 
@@ -43,15 +45,19 @@ def young_daly_interval(cost: float, mtbf: float) -> float:
 def _positive(name: str, value: object, kind: type = float) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
-        raise ValueError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
+    what = "finite number of seconds" if kind is float else "int"
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise OptionTypeError(f"{name} must be a positive {what}, got {type(value).__name__} {value!r}")
+    if not value > 0 or not math.isfinite(value):  # nan fails both; inf would never be due
+        raise OptionError(f"{name} must be a positive {what}, got {value!r}")
 
 
 class Schedule:
     """The save schedule of one manager (see the module docs).
 
     Raises:
-        ValueError: a non-positive or non-numeric option; ``mtbf`` together with ``every_seconds``.
+        OptionError: a non-positive, infinite or nan option; ``mtbf`` together with ``every_seconds``.
+        OptionTypeError: a bool or non-numeric option (``every_n_steps=True``, ``continuous="no"``).
     """
 
     def __init__(self, *, every_n_steps: int | None = None, every_seconds: float | None = None,
@@ -60,7 +66,10 @@ class Schedule:
         _positive("every_seconds", every_seconds)
         _positive("mtbf", mtbf)
         if mtbf is not None and every_seconds is not None:
-            raise ValueError("pass mtbf= (the interval follows from the save cost) or every_seconds=, not both")
+            raise OptionError(f"pass mtbf= (the interval follows from the save cost) or every_seconds=, not both; got "
+                              f"mtbf={mtbf!r}, every_seconds={every_seconds!r}")
+        if not isinstance(continuous, bool):
+            raise OptionTypeError(f"continuous must be True or False, got {type(continuous).__name__} {continuous!r}")
         self.every_n_steps = every_n_steps
         self.every_seconds = every_seconds
         self.continuous = bool(continuous)

@@ -31,13 +31,15 @@ def check_signals(signals: Sequence[int] | None) -> tuple[int, ...]:
     """``signals`` as a tuple of ints (None or empty: no preemption handling).
 
     Raises:
-        ValueError: an entry that is not a signal number.
+        OptionError: (a ValueError) an entry that is not a signal number, or SIGKILL / SIGSTOP.
     """
+    from fastckpt.errors import OptionError
+
     out = tuple(signals or ())
     valid = {int(s) for s in signal.valid_signals()} - {int(signal.SIGKILL), int(signal.SIGSTOP)}
     for s in out:
         if isinstance(s, bool) or not isinstance(s, int) or int(s) not in valid:
-            raise ValueError(f"fastckpt_preemption_signals: {s!r} is not a signal that can be caught")
+            raise OptionError(f"fastckpt_preemption_signals: {s!r} is not a signal that can be caught")
     return tuple(int(s) for s in out)
 
 
