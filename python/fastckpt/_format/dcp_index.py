@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,11 @@ MAGIC = b"FCKDCPIX"
 _PREFIX = struct.Struct("<8sIIQ")
 #: header bytes a reader accepts (one entry per tensor: megabytes for the largest models)
 MAX_HEADER_BYTES = 256 << 20
+
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
+_FILE = attrgetter("file")
+_NAME = attrgetter("name")
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -103,19 +110,25 @@ def build_index(tensors: dict[str, tuple[str, list[int], list[tuple[tuple[int, .
     for fqn, (dtype, size, chunks) in tensors.items():
         ndim = len(size)
         n = len(chunks)
-        offs = np.array([c[0] for c in chunks], dtype=np.int64).reshape(n, ndim)
-        sizes = np.array([c[1] for c in chunks], dtype=np.int64).reshape(n, ndim)
+        offs = np.fromiter(chain.from_iterable(map(_FIRST, chunks)), np.int64, n * ndim).reshape(n, ndim)
+        sizes = np.fromiter(chain.from_iterable(map(_SECOND, chunks)), np.int64, n * ndim).reshape(n, ndim)
         sweep = max(range(ndim), key=lambda d: len(np.unique(offs[:, d]))) if ndim and n else 0
         order = np.lexsort([offs[:, d] for d in reversed(range(ndim)) if d != sweep] + [offs[:, sweep]]) \
             if ndim else np.arange(n)
         offs, sizes = offs[order], sizes[order]
         locs = [locations[(fqn, chunks[k][0])] for k in order.tolist()]
-        file_ids = np.array([ids[f] if (f := loc.file) in ids else ids.setdefault(f, _file_id(f, world, extra))
-                             for loc in locs], dtype=np.int64)
+        files = list(map(_FILE, locs))
+        for f in dict.fromkeys(files):  # each file's id once (a shard's, or one past the ranks)
+            if f not in ids:
+                ids[f] = _file_id(f, world, extra)
+        file_ids = np.fromiter(map(ids.__getitem__, files), np.int64, n)
         whole = [fqn] if n == 1 and ndim and sizes[0].tolist() == list(size) and not offs.any() else None
-        canonical = whole or ([f"{fqn}@{','.join(map(str, o))}" for o in offs.tolist()] if ndim else [fqn] * n)
-        name_ids = np.array([-1 if loc.name == c else _name_id(loc.name, fqn, chunks[k], size, names, aliases, locations)
-                             for loc, c, k in zip(locs, canonical, order.tolist())], dtype=np.int64)
+        template = fqn.replace("%", "%%") + "@" + ",".join(["%d"] * ndim)  # chunk_name's, formatted per chunk
+        canonical = whole or (list(map(template.__mod__, map(tuple, offs.tolist()))) if ndim else [fqn] * n)
+        stored = list(map(_NAME, locs))
+        name_ids = np.full(n, -1, dtype=np.int64) if stored == canonical else np.array(
+            [-1 if name == c else _name_id(name, fqn, chunks[k], size, names, aliases, locations)
+             for name, c, k in zip(stored, canonical, order.tolist())], dtype=np.int64)
         columns = [_column(offs[:, d], body, at) for d in range(ndim)]
         columns += [_column(sizes[:, d], body, at) for d in range(ndim)]
         columns += [_column(file_ids, body, at), _column(name_ids, body, at)]
@@ -154,7 +167,7 @@ def index_bytes(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], Ch
     """The ``dcp_index.bin`` (:mod:`fastckpt._format.dcp_index`) of the save whose ``dcp_metadata.json`` is
     ``text`` (from :func:`metadata_json` on the same arguments; ``world``: the ranks that wrote)."""
     tensors = {fqn: (to_safetensors_dtype(md.properties.dtype, name=fqn), [int(s) for s in md.size],
-                     [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in md.chunks])
+                     [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     return build_index(tensors, chunks, world, objects={k: objects[k] for k in metadata.state_dict_metadata
                                                         if k not in tensors},
