@@ -16,10 +16,9 @@ run for that tensor, so the error messages are DCP's.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import ChainMap, Counter
 from itertools import chain, compress
 from operator import attrgetter, not_
-from collections import ChainMap
 from typing import Any
 
 import numpy as np
