@@ -20,9 +20,10 @@ The header::
 A tensor's chunks are sorted by their offset along ``sweep`` (the dimension with the most distinct offsets), then
 by the other offsets; ``reach`` is their largest size along ``sweep``. ``columns`` describe, in order, each
 dimension's offsets, each dimension's sizes, the file and the name of the n chunks; each column is
-``{"c": v}`` (every chunk v), ``{"a": [v0, d]}`` (chunk i: v0 + i*d) or ``{"e": [byte offset, crc32c]}`` (n int64 in
-the body at that offset, with their crc32c), so a regular sharding (FSDP2's ``Shard(0)``) costs a few bytes per
-tensor whatever the world size. A file column value f < N is ``shard-{f:05d}-of-{N:05d}.safetensors``, f >= N is
+``{"c": v}`` (every chunk v), ``{"a": [v0, d]}`` (chunk i: v0 + i*d), ``{"t": [v0, d, [w0, ...]]}`` (chunk i:
+v0 + i*d, except the last k chunks, which are w0, ... ; k <= 16: torch.chunk's uneven split, whose last blocks are
+shorter) or ``{"e": [byte offset, crc32c]}`` (n int64 in the body at that offset, with their crc32c), so a regular
+sharding (FSDP2's ``Shard(0)``, even or not) costs a few bytes per tensor whatever the world size. A file column value f < N is ``shard-{f:05d}-of-{N:05d}.safetensors``, f >= N is
 ``extra[f - N]``. A name column value -1 is the chunk's canonical name (:func:`chunk_name`), -2 - k the canonical
 name of ``aliases[k]`` at the same offsets (a tied weight stored once), k >= 0 is ``names[k]``.
 """
@@ -52,6 +53,8 @@ INDEX_FILE = "dcp_index.bin"
 FORMAT = "fastckpt-dcp-index"
 MAGIC = b"FCKDCPIX"
 _PREFIX = struct.Struct("<8sIIQ")
+#: values a column may list after its arithmetic run (``{"t": ...}``)
+MAX_TAIL = 16
 #: header bytes a reader accepts (one entry per tensor: megabytes for the largest models)
 MAX_HEADER_BYTES = 256 << 20
 
@@ -79,8 +82,11 @@ def _column(values: np.ndarray, body: list[bytes], at: list[int]) -> dict[str, A
     if n == 0 or (values == values[0]).all():
         return {"c": int(values[0]) if n else 0}
     step = int(values[1] - values[0])
-    if (values == values[0] + step * np.arange(n, dtype=np.int64)).all():
+    off = np.flatnonzero(values != values[0] + step * np.arange(n, dtype=np.int64))
+    if not len(off):
         return {"a": [int(values[0]), step]}
+    if n - int(off[0]) <= MAX_TAIL:  # torch.chunk's uneven split: a run, then a short tail (the last blocks)
+        return {"t": [int(values[0]), step, values[int(off[0]):].tolist()]}
     data = values.astype("<i8").tobytes()
     entry = {"e": [at[0], f"{_core.crc32c(data):08x}"]}
     body.append(data)
@@ -266,7 +272,10 @@ class ChunkIndex:
                 ("c" in c and isinstance(c["c"], int)) or ("a" in c and isinstance(c["a"], list) and len(c["a"]) == 2
                                                             and all(isinstance(v, int) for v in c["a"]))
                 or ("e" in c and isinstance(c["e"], list) and len(c["e"]) == 2 and isinstance(c["e"][0], int)
-                    and c["e"][0] >= 0 and c["e"][0] % 8 == 0 and isinstance(c["e"][1], str)))
+                    and c["e"][0] >= 0 and c["e"][0] % 8 == 0 and isinstance(c["e"][1], str))
+                or ("t" in c and isinstance(c["t"], list) and len(c["t"]) == 3
+                    and all(isinstance(v, int) for v in c["t"][:2]) and isinstance(c["t"][2], list)
+                    and 0 < len(c["t"][2]) <= min(n, MAX_TAIL) and all(isinstance(v, int) for v in c["t"][2])))
             if not ok:
                 raise HeaderError(f"{at}: a malformed column {str(c)[:100]}")
         return entry
@@ -301,6 +310,9 @@ class ChunkIndex:
             return ("c", spec["c"])
         if "a" in spec:
             return ("a", *spec["a"])
+        if "t" in spec:
+            v0, step, tail = spec["t"]
+            return ("t", v0, step, np.array(tail, dtype=np.int64), self.tensors[fqn]["n"] - len(tail))
         cached = self._columns.setdefault(fqn, [None] * len(self.tensors[fqn]["columns"]))
         if cached[k] is None:
             n = self.tensors[fqn]["n"]
@@ -320,7 +332,11 @@ class ChunkIndex:
         if isinstance(col, tuple):
             if col[0] == "c":
                 return np.full(hi - lo, col[1], dtype=np.int64)
-            return col[1] + col[2] * np.arange(lo, hi, dtype=np.int64)
+            out = col[1] + col[2] * np.arange(lo, hi, dtype=np.int64)
+            if col[0] == "t" and hi > col[4]:  # the rows from the tail's start on are the tail's
+                start = max(lo, col[4])
+                out[start - lo:] = col[3][start - col[4]:hi - col[4]]
+            return out
         return col[lo:hi]
 
     def _search(self, fqn: str, k: int, value: int) -> int:
@@ -328,11 +344,19 @@ class ChunkIndex:
         n = self.tensors[fqn]["n"]
         col = self._column(fqn, k)
         if isinstance(col, tuple):
+            run = col[4] if col[0] == "t" else n  # rows of the arithmetic run (a "t" column's tail follows)
             if col[0] == "c" or col[2] == 0:
-                return 0 if value <= col[1] else n
-            if col[2] < 0:
+                found = 0 if value <= col[1] else run
+            elif col[2] < 0:
                 raise HeaderError(f"{self.where}: {fqn!r}: chunks not sorted along their sweep dimension")
-            return min(n, max(0, -(-(value - col[1]) // col[2])))
+            else:
+                found = min(run, max(0, -(-(value - col[1]) // col[2])))
+            if found < run or col[0] != "t":
+                return found
+            tail = col[3]
+            if (np.diff(tail) < 0).any() or (run and tail[0] < col[1] + col[2] * (run - 1)):
+                raise HeaderError(f"{self.where}: {fqn!r}: chunks not sorted along their sweep dimension")
+            return run + int(np.searchsorted(tail, value, side="left"))
         return int(np.searchsorted(col, value, side="left"))
 
     def _window(self, fqn: str, lo: int, hi: int) -> Found:
