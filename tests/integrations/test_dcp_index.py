@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
 import fastckpt.dcp
-from fastckpt._format.dcp_index import ChunkIndex, build_index
+from fastckpt._format.dcp_index import ChunkIndex
+from fastckpt._format.dcp_index_write import build_index
 from fastckpt._format.dcp_metadata import ChunkLocation
 from fastckpt._io.dcp.files import read_dcp_index, read_dcp_metadata
 from fastckpt.errors import HeaderError

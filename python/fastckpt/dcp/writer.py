@@ -19,7 +19,8 @@ from torch.futures import Future
 
 from fastckpt import _core
 from fastckpt._format.codec import encode
-from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, index_bytes, shard_file_name
+from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, shard_file_name
+from fastckpt._format.dcp_index_write import index_bytes
 from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
 from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.location import check_location
