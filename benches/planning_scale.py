@@ -9,17 +9,21 @@ No process group: the same code a sharded save / load runs on the coordinator is
 for an FSDP2 model (every weight and bias ``Shard(0)`` over the N ranks, AdamW's ``exp_avg`` / ``exp_avg_sq`` alike,
 its ``step`` replicated on every rank, as FSDP2 gives them):
 
-- ``global plan``: DCP's ``DefaultSavePlanner.create_global_plan`` (dedup of the replicated items, the metadata
-  merge, the chunk-overlap validation), with and without plan caching (``enable_plan_caching=True``, the second
+- ``global plan``: ``fastckpt.dcp.SavePlanner.create_global_plan``: DCP's global plan (dedup of the replicated
+  items, the metadata merge, the chunk-overlap validation) made over columns by
+  :func:`fastckpt.dcp.global_plan.merge_save_plans` (DCP's output, object for object), with and without plan caching (``enable_plan_caching=True``, the second
   save of an unchanged state);
 - ``writer``: ``fastckpt.dcp.StorageWriter.prepare_global_plan`` and ``finish`` (every rank's write results merged
-  into ``dcp_metadata.json``, written);
+  into ``dcp_metadata.json`` and ``dcp_index.bin``, written; the results themselves are made before, as the ranks
+  make them);
 - ``manifest``: fastckpt's manifest merge (:func:`fastckpt._io.storage.local.layout.manifest_dict` over every rank's shard file
   and RNG file, serialised);
 - ``rank load plan``: one rank's own load planning (``DefaultLoadPlanner`` over the merged metadata, for its own
   rows of every tensor), which DCP runs on every rank;
 - ``rank metadata parse``: one rank's reading of the merged ``dcp_metadata.json`` (every rank parses and checks
   it on load: N chunks per tensor, their cover checked).
+- ``rank manifest read``: one rank's parse of the checkpoint's manifest, which still lists every rank's files (the
+  modelled entries carry no per-tensor crc32c / xxh3, so this is a lower bound of the real manifest's cost).
 
 Work is counted as Python function calls (``sys.setprofile``: every ``call`` and ``c_call`` event), which is
 deterministic; CPU seconds of the process (``time.process_time``) are printed beside it, with the
@@ -142,19 +146,16 @@ def global_plan(plans: list[Any], *, caching: bool = False) -> tuple[list[Any], 
     return planner.create_global_plan(plans)
 
 
-def writer_merge(world: int, plans: list[Any], metadata: Any, folder: pathlib.Path) -> dict[str, Any]:
-    """The fastckpt.dcp writer's coordinator steps on ``plans``: storage data per rank, then ``finish``."""
+def write_results(world: int, plans: list[Any]) -> list[list[Any]]:
+    """The write results every rank sends back for its part of the global plan ``plans`` (made by the ranks, so
+    outside the coordinator's measured step): one file per rank, one digest list shared by its results."""
     from torch.distributed.checkpoint.storage import WriteResult
 
-    import fastckpt.dcp
     from fastckpt.dcp.writer import _chunk_name, shard_file_name
 
-    writer = fastckpt.dcp.StorageWriter(folder, commit=False, durable=False)
-    writer.set_up_storage_writer(True)
-    final = writer.prepare_global_plan(plans)
     results = []
-    for plan in final:
-        file = plan.storage_data["file"]
+    for r, plan in enumerate(plans):
+        file = shard_file_name(r, world)
         digests = [(file, (1 << 20, 0, [], []))]  # one list per rank, shared by its results as write_data does
         rank_results = []
         for item in plan.items:
@@ -163,6 +164,20 @@ def writer_merge(world: int, plans: list[Any], metadata: Any, folder: pathlib.Pa
             rank_results.append(WriteResult(index=item.index, size_in_bytes=4, storage_data={
                 "file": file, "name": name, "digests": digests}))
         results.append(rank_results)
+    return results
+
+
+def writer_merge(world: int, plans: list[Any], metadata: Any, folder: pathlib.Path,
+                 results: list[list[Any]]) -> dict[str, Any]:
+    """The fastckpt.dcp writer's coordinator steps on ``plans``: storage data per rank, then ``finish`` over the
+    ranks' ``results`` (:func:`write_results`)."""
+    import fastckpt.dcp
+    from fastckpt.dcp.writer import shard_file_name
+
+    writer = fastckpt.dcp.StorageWriter(folder, commit=False, durable=False)
+    writer.set_up_storage_writer(True)
+    final = writer.prepare_global_plan(plans)
+    assert [p.storage_data["file"] for p in final] == [shard_file_name(r, world) for r in range(world)]
     writer.finish(metadata, results)
     assert set(writer.files) >= {shard_file_name(r, world) for r, p in enumerate(final) if p.items}
     return writer.files
@@ -180,6 +195,17 @@ def manifest_merge(world: int, dcp_files: dict[str, Any]) -> str:
                "files": {f"model/{k}": v for k, v in dcp_files.items()}}
     counts = {"models": 1, "optimizers": 1, "schedulers": 0, "processes": world, "sharded": sharded}
     return json.dumps(manifest_dict("full", files, counts, 0, checksums=checksums), indent=2)
+
+
+def rank_manifest_read(text: str) -> int:
+    """What every rank of a sharded ``load_state`` does with the manifest today: parse all of it (every rank's RNG
+    file and shard file entries) and pick its part's checksums (``_plan/sharded_load.py``)."""
+    import json
+
+    manifest = json.loads(text)
+    sharded = manifest["sharded"]
+    checksums = {n[len("model/"):]: info for n, info in sharded.get("files", {}).items() if n.startswith("model/")}
+    return len(checksums) + len(manifest.get("files", {}))
 
 
 def rank_load_plan(world: int, tensors: int, metadata: Any) -> Any:
@@ -269,11 +295,12 @@ def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int,
     out["global plan, cached"] = (ops, secs)
     tmp = tempfile.TemporaryDirectory(prefix="fastckpt-scale-")
     folder = pathlib.Path(tmp.name) / "model"
-    ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, folder))
+    results = write_results(world, final)
+    ops, secs, files = count_ops(lambda: writer_merge(world, final, metadata, folder, results))
     text = (folder / "dcp_metadata.json").read_bytes()
     out["writer"] = (ops, secs)
     walls.append(LAST_WALL)
-    ops, secs, _ = count_ops(lambda: manifest_merge(world, files))
+    ops, secs, manifest_text = count_ops(lambda: manifest_merge(world, files))
     out["manifest"] = (ops, secs)
     walls.append(LAST_WALL)
     out["coordinator total"] = (sum(out[k][0] for k in ("global plan", "writer", "manifest")),
@@ -287,7 +314,10 @@ def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int,
     out["rank metadata parse, full metadata"] = (ops, secs)
     ops, secs, (items, looked_at) = count_ops(lambda: rank_load_indexed(world, folder))
     out["rank index read + load plan"] = (ops, secs)
+    ops, secs, _ = count_ops(lambda: rank_manifest_read(manifest_text))
+    out["rank manifest read (every rank's entries)"] = (ops, secs)
     out["dcp_metadata.json KB"] = (0, len(text) / 1e3)
+    out["manifest (no per-tensor crcs modelled) KB"] = (0, len(manifest_text) / 1e3)
     out["dcp_index.bin KB"] = (0, (folder / "dcp_index.bin").stat().st_size / 1e3)
     out["index read by a rank KB"] = (0, looked_at / 1e3)
     tmp.cleanup()

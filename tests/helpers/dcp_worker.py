@@ -80,7 +80,7 @@ def read_once(folder: Path, rank: int) -> None:
     """``folder`` loaded into plain tensors on every rank (a data-parallel load: every box wanted by every rank),
     read once in total (``read_once=True``: each box by one rank, sent to the others) and by every rank; then the
     reading rank 1 fails: every rank raises, none hangs."""
-    import fastckpt.dcp.reader as reader_module
+    import fastckpt.dcp.boxes as reader_module  # the module that reads the boxes
 
     state = full_state()
     for once in (True, False):

@@ -364,10 +364,11 @@ def scenario_integrity(rank: int, world: int) -> None:
 def planned(fn) -> tuple[int, int]:
     """``(global plans, planning rounds)`` during ``fn()``: how many times the coordinator's DCP global planning
     (dedup, merge, validation) ran, and how many DCP planning rounds (gather + scatter of plans) this rank joined."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.utils import _DistWrapper
 
-    real, real_round = DefaultSavePlanner._create_global_plan, _DistWrapper.reduce_scatter
+    from fastckpt.dcp import SavePlanner  # its _create_global_plan: DCP's global plan over columns
+
+    real, real_round = SavePlanner._create_global_plan, _DistWrapper.reduce_scatter
     calls, rounds = [], []
 
     def counting(self, all_plans):
@@ -378,12 +379,12 @@ def planned(fn) -> tuple[int, int]:
         rounds.append(step)
         return real_round(self, step, *args, **kwargs)
 
-    DefaultSavePlanner._create_global_plan = counting
+    SavePlanner._create_global_plan = counting
     _DistWrapper.reduce_scatter = counting_round
     try:
         fn()
     finally:
-        DefaultSavePlanner._create_global_plan = real
+        SavePlanner._create_global_plan = real
         _DistWrapper.reduce_scatter = real_round
     return len(calls), rounds.count("plan")
 

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
 import fastckpt.dcp
-from fastckpt._format.dcp_index import ChunkIndex, build_index
+from fastckpt._format.dcp_index import ChunkIndex
+from fastckpt._format.dcp_index_write import build_index
 from fastckpt._format.dcp_metadata import ChunkLocation
 from fastckpt._io.dcp.files import read_dcp_index, read_dcp_metadata
 from fastckpt.errors import HeaderError
@@ -83,6 +84,34 @@ def test_lookups_return_the_chunks_a_box_overlaps(ragged):
         index.find("w", (5, 0))
     all_rows = index.overlapping("w", (0, 0), tuple(tensors["w"][1]))
     assert len(all_rows) == 64 and index.covers("w", (0, 0), tuple(tensors["w"][1]), all_rows)
+
+
+@pytest.mark.parametrize("rows", [4096, 4095, 100, 7])
+def test_torch_chunks_uneven_split_is_a_run_and_a_tail_and_finds_what_a_scan_finds(rows):
+    # FSDP2's Shard(0) by torch.chunk over 2816 ranks (accelerate#4099): blocks of ceil(rows / N) rows, the last
+    # shorter, the ranks past the end empty at offset `rows`; the index stores no per-chunk column for it
+    world, cols = 2816, 3
+    per = -(-rows // world)
+    chunks, locs = [], {}
+    for r in range(world):
+        start = min(rows, r * per)
+        n = min(rows, start + per) - start
+        chunks.append(((start, 0), (n, cols)))
+        locs.setdefault(("w", (start, 0)), ChunkLocation(f"shard-{r:05d}-of-{world:05d}.safetensors", f"w@{start},0"))
+    chunks = list({c[0]: c for c in reversed(chunks)}.values())[::-1]  # the empty ones: one chunk (DCP's dedup)
+    data = build_index({"w": ("F32", [rows, cols], chunks)}, locs, world, objects={}, planner_data=None,
+                       storage_meta=None, dcp_version=None, metadata_crc32c="0")
+    index = ChunkIndex(data, "idx")
+    assert all("e" not in c for c in index.tensors["w"]["columns"]), index.tensors["w"]["columns"]
+    assert len(data) < 1024  # 2816 chunks in a few hundred bytes
+    near_end = max(0, rows - per - 1)
+    for lo, n in [(0, 1), (rows - 1, 1), (near_end, rows - near_end), (rows // 2, 1), (0, rows)]:
+        want = sorted(o for (o, s) in chunks if s[0] and o[0] < lo + n and lo < o[0] + s[0])
+        found = index.overlapping("w", (lo, 0), (n, cols))
+        assert sorted(map(tuple, found.offsets.tolist())) == [tuple(o) for o in want], (lo, n)
+        assert index.covers("w", (lo, 0), (n, cols), found)
+        for i in range(len(found)):
+            assert found.location(i) == locs[("w", tuple(found.offsets[i].tolist()))]
 
 
 @single_process

@@ -250,10 +250,8 @@ def test_the_reader_parses_its_metadata_once_per_version_of_the_file(saved, tmp_
 def test_a_cached_save_plan_is_not_served_to_a_changed_state(tmp_path):
     """fastckpt.dcp.SavePlanner caches plans per key (commit=False writers); DCP's own comparison ignores dtypes, so
     a state that only changed dtype must be planned again: each save loads back bit-exact, dtypes included."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
     planned = []
-    real = DefaultSavePlanner._create_global_plan
+    real = fastckpt.dcp.SavePlanner._create_global_plan  # fastckpt's merge (DCP's global plan, over columns)
 
     def counting(self, all_plans):
         planned.append(1)
@@ -272,14 +270,14 @@ def test_a_cached_save_plan_is_not_served_to_a_changed_state(tmp_path):
     changed_shape = {"w": torch.randn(7, 4).double(), "b": torch.randn(4), "n": 4}
     new_entry = {**changed_shape, "exp_avg": torch.randn(7, 4)}
     try:
-        DefaultSavePlanner._create_global_plan = counting
+        fastckpt.dcp.SavePlanner._create_global_plan = counting
         for i, (state, plans) in enumerate([(first, 1), (first, 0), (changed_values, 0), (changed_dtype, 1),
                                             (changed_shape, 1), (new_entry, 1), (new_entry, 0)]):
             before = len(planned)
             save_and_check(state, tmp_path / f"c{i}")
             assert len(planned) - before == plans, (i, planned)
     finally:
-        DefaultSavePlanner._create_global_plan = real
+        fastckpt.dcp.SavePlanner._create_global_plan = real
     reader = fastckpt.dcp.StorageReader(tmp_path / "c3")
     assert reader.read_metadata().state_dict_metadata["w"].properties.dtype == torch.float64
 

@@ -49,13 +49,13 @@ def test_fallback_set_element_refuses_an_empty_path():
 BLOCKED = """
 import sys
 import torch.distributed.checkpoint._traverse as traverse   # DCP itself imports it; as if this torch had no
-del traverse.set_element                                      # set_element there: the import in reader.py fails
+del traverse.set_element                                      # set_element there: the import in boxes.py fails
 sys.path.insert(0, sys.argv[2])
 import warnings
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-import fastckpt.dcp, fastckpt.dcp.reader, fastckpt.dcp.traverse
+import fastckpt.dcp, fastckpt.dcp.boxes, fastckpt.dcp.traverse
 from helpers.dcp_state import full_state, mismatches, template
-assert fastckpt.dcp.reader.set_element is fastckpt.dcp.traverse.set_element, fastckpt.dcp.reader.set_element
+assert fastckpt.dcp.boxes.set_element is fastckpt.dcp.traverse.set_element, fastckpt.dcp.boxes.set_element
 state = full_state()
 import torch
 # lists holding tensors are walked by DCP's flattening, so the plain values in them come back through set_element

@@ -20,38 +20,41 @@ The header::
 A tensor's chunks are sorted by their offset along ``sweep`` (the dimension with the most distinct offsets), then
 by the other offsets; ``reach`` is their largest size along ``sweep``. ``columns`` describe, in order, each
 dimension's offsets, each dimension's sizes, the file and the name of the n chunks; each column is
-``{"c": v}`` (every chunk v), ``{"a": [v0, d]}`` (chunk i: v0 + i*d) or ``{"e": [byte offset, crc32c]}`` (n int64 in
-the body at that offset, with their crc32c), so a regular sharding (FSDP2's ``Shard(0)``) costs a few bytes per
-tensor whatever the world size. A file column value f < N is ``shard-{f:05d}-of-{N:05d}.safetensors``, f >= N is
+``{"c": v}`` (every chunk v), ``{"a": [v0, d]}`` (chunk i: v0 + i*d), ``{"t": [v0, d, [w0, ...]]}`` (chunk i:
+v0 + i*d, except the last k chunks, which are w0, ... ; k <= 16: torch.chunk's uneven split, whose last blocks are
+shorter) or ``{"e": [byte offset, crc32c]}`` (n int64 in the body at that offset, with their crc32c), so a regular
+sharding (FSDP2's ``Shard(0)``, even or not) costs a few bytes per tensor whatever the world size. A file column value f < N is ``shard-{f:05d}-of-{N:05d}.safetensors``, f >= N is
 ``extra[f - N]``. A name column value -1 is the chunk's canonical name (:func:`chunk_name`), -2 - k the canonical
 name of ``aliases[k]`` at the same offsets (a tied weight stored once), k >= 0 is ``names[k]``.
+
+This module reads it (:class:`ChunkIndex`); :mod:`fastckpt._format.dcp_index_write` writes it.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from typing import Any
 
 import numpy as np
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fastckpt import _core
-from fastckpt._format.codec import encode
-from fastckpt._format.dcp_metadata import ChunkLocation, is_plain_file_name, storage_meta_json
-from fastckpt._format.dtypes import to_safetensors_dtype, to_torch_dtype
+from fastckpt._format.dcp_metadata import ChunkLocation, is_plain_file_name
+from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.json_input import load_json
 from fastckpt.errors import DtypeError, HeaderError
 
-__all__ = ["INDEX_FILE", "chunk_name", "shard_file_name", "build_index", "index_bytes", "ChunkIndex", "Found"]
+__all__ = ["INDEX_FILE", "chunk_name", "shard_file_name", "ChunkIndex", "Found"]
 
 INDEX_FILE = "dcp_index.bin"
 FORMAT = "fastckpt-dcp-index"
 MAGIC = b"FCKDCPIX"
 _PREFIX = struct.Struct("<8sIIQ")
+#: values a column may list after its arithmetic run (``{"t": ...}``)
+MAX_TAIL = 16
 #: header bytes a reader accepts (one entry per tensor: megabytes for the largest models)
 MAX_HEADER_BYTES = 256 << 20
+
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -65,102 +68,6 @@ def chunk_name(fqn: str, offsets: Any, sizes: Any, full: Any) -> str:
     if list(sizes) == list(full) and not any(offs):
         return fqn
     return f"{fqn}@{','.join(map(str, offs))}"
-
-
-def _column(values: np.ndarray, body: list[bytes], at: list[int]) -> dict[str, Any]:
-    n = len(values)
-    if n == 0 or (values == values[0]).all():
-        return {"c": int(values[0]) if n else 0}
-    step = int(values[1] - values[0])
-    if (values == values[0] + step * np.arange(n, dtype=np.int64)).all():
-        return {"a": [int(values[0]), step]}
-    data = values.astype("<i8").tobytes()
-    entry = {"e": [at[0], f"{_core.crc32c(data):08x}"]}
-    body.append(data)
-    at[0] += len(data)
-    return entry
-
-
-def build_index(tensors: dict[str, tuple[str, list[int], list[tuple[tuple[int, ...], tuple[int, ...]]]]],
-                locations: dict[tuple[str, tuple[int, ...]], ChunkLocation], world: int, *, objects: dict[str, Any],
-                planner_data: Any, storage_meta: Any, dcp_version: Any, metadata_crc32c: str) -> bytes:
-    """The bytes of ``dcp_index.bin``.
-
-    Args:
-        tensors: ``{fqn: (safetensors dtype, size, [(offsets, sizes) of each chunk])}``.
-        locations: ``{(fqn, offsets): ChunkLocation}`` of every chunk.
-        world: the ranks of the save (file ``shard-{r}-of-{world}`` is file id r).
-        objects, planner_data, storage_meta, dcp_version: as in ``dcp_metadata.json`` (already encoded).
-        metadata_crc32c: the crc32c of the ``dcp_metadata.json`` written beside it (hex).
-    """
-    extra: dict[str, int] = {}
-    ids: dict[str, int] = {}
-    names: dict[str, int] = {}
-    aliases: dict[str, int] = {}
-    body: list[bytes] = []
-    at = [0]
-    entries: dict[str, Any] = {}
-    for fqn, (dtype, size, chunks) in tensors.items():
-        ndim = len(size)
-        n = len(chunks)
-        offs = np.array([c[0] for c in chunks], dtype=np.int64).reshape(n, ndim)
-        sizes = np.array([c[1] for c in chunks], dtype=np.int64).reshape(n, ndim)
-        sweep = max(range(ndim), key=lambda d: len(np.unique(offs[:, d]))) if ndim and n else 0
-        order = np.lexsort([offs[:, d] for d in reversed(range(ndim)) if d != sweep] + [offs[:, sweep]]) \
-            if ndim else np.arange(n)
-        offs, sizes = offs[order], sizes[order]
-        locs = [locations[(fqn, chunks[k][0])] for k in order.tolist()]
-        file_ids = np.array([ids[f] if (f := loc.file) in ids else ids.setdefault(f, _file_id(f, world, extra))
-                             for loc in locs], dtype=np.int64)
-        whole = [fqn] if n == 1 and ndim and sizes[0].tolist() == list(size) and not offs.any() else None
-        canonical = whole or ([f"{fqn}@{','.join(map(str, o))}" for o in offs.tolist()] if ndim else [fqn] * n)
-        name_ids = np.array([-1 if loc.name == c else _name_id(loc.name, fqn, chunks[k], size, names, aliases, locations)
-                             for loc, c, k in zip(locs, canonical, order.tolist())], dtype=np.int64)
-        columns = [_column(offs[:, d], body, at) for d in range(ndim)]
-        columns += [_column(sizes[:, d], body, at) for d in range(ndim)]
-        columns += [_column(file_ids, body, at), _column(name_ids, body, at)]
-        entries[fqn] = {"dtype": dtype, "size": [int(s) for s in size], "n": n, "sweep": sweep,
-                        "reach": int(sizes[:, sweep].max()) if ndim and n else 0, "columns": columns}
-    header = json.dumps({
-        "format": FORMAT, "format_version": 1, "metadata_crc32c": metadata_crc32c, "dcp_version": dcp_version,
-        "planner_data": planner_data, "storage_meta": storage_meta, "objects": objects,
-        "files": {"world": world, "extra": list(extra)}, "names": list(names), "aliases": list(aliases),
-        "tensors": entries}, allow_nan=False).encode("utf-8")
-    header += b" " * (-len(header) % 8)
-    return _PREFIX.pack(MAGIC, 1, _core.crc32c(header), len(header)) + header + b"".join(body)
-
-
-def _file_id(file: str, world: int, extra: dict[str, int]) -> int:
-    if file.startswith("shard-") and file.endswith(f"-of-{world:05d}.safetensors"):
-        digits = file[len("shard-"):-len(f"-of-{world:05d}.safetensors")]
-        if digits.isdigit() and int(digits) < world and shard_file_name(int(digits), world) == file:
-            return int(digits)
-    return world + extra.setdefault(file, len(extra))
-
-
-def _name_id(name: str, fqn: str, chunk: tuple, size: list[int], names: dict[str, int], aliases: dict[str, int],
-             locations: dict) -> int:
-    if name == chunk_name(fqn, chunk[0], chunk[1], size):
-        return -1
-    base = name.split("@", 1)[0]
-    if base != fqn and (base, tuple(int(o) for o in chunk[0])) in locations \
-            and name == chunk_name(base, chunk[0], chunk[1], size):
-        return -2 - aliases.setdefault(base, len(aliases))
-    return names.setdefault(name, len(names))
-
-
-def index_bytes(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], ChunkLocation],
-                objects: dict[str, Any], world: int, text: bytes) -> bytes:
-    """The ``dcp_index.bin`` (:mod:`fastckpt._format.dcp_index`) of the save whose ``dcp_metadata.json`` is
-    ``text`` (from :func:`metadata_json` on the same arguments; ``world``: the ranks that wrote)."""
-    tensors = {fqn: (to_safetensors_dtype(md.properties.dtype, name=fqn), [int(s) for s in md.size],
-                     [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in md.chunks])
-               for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    return build_index(tensors, chunks, world, objects={k: objects[k] for k in metadata.state_dict_metadata
-                                                        if k not in tensors},
-                       planner_data=encode(metadata.planner_data, path="planner_data"),
-                       storage_meta=storage_meta_json(metadata), dcp_version=getattr(metadata, "version", None),
-                       metadata_crc32c=f"{_core.crc32c(text):08x}")
 
 
 class Found:
@@ -253,7 +160,10 @@ class ChunkIndex:
                 ("c" in c and isinstance(c["c"], int)) or ("a" in c and isinstance(c["a"], list) and len(c["a"]) == 2
                                                             and all(isinstance(v, int) for v in c["a"]))
                 or ("e" in c and isinstance(c["e"], list) and len(c["e"]) == 2 and isinstance(c["e"][0], int)
-                    and c["e"][0] >= 0 and c["e"][0] % 8 == 0 and isinstance(c["e"][1], str)))
+                    and c["e"][0] >= 0 and c["e"][0] % 8 == 0 and isinstance(c["e"][1], str))
+                or ("t" in c and isinstance(c["t"], list) and len(c["t"]) == 3
+                    and all(isinstance(v, int) for v in c["t"][:2]) and isinstance(c["t"][2], list)
+                    and 0 < len(c["t"][2]) <= min(n, MAX_TAIL) and all(isinstance(v, int) for v in c["t"][2])))
             if not ok:
                 raise HeaderError(f"{at}: a malformed column {str(c)[:100]}")
         return entry
@@ -288,6 +198,9 @@ class ChunkIndex:
             return ("c", spec["c"])
         if "a" in spec:
             return ("a", *spec["a"])
+        if "t" in spec:
+            v0, step, tail = spec["t"]
+            return ("t", v0, step, np.array(tail, dtype=np.int64), self.tensors[fqn]["n"] - len(tail))
         cached = self._columns.setdefault(fqn, [None] * len(self.tensors[fqn]["columns"]))
         if cached[k] is None:
             n = self.tensors[fqn]["n"]
@@ -307,7 +220,11 @@ class ChunkIndex:
         if isinstance(col, tuple):
             if col[0] == "c":
                 return np.full(hi - lo, col[1], dtype=np.int64)
-            return col[1] + col[2] * np.arange(lo, hi, dtype=np.int64)
+            out = col[1] + col[2] * np.arange(lo, hi, dtype=np.int64)
+            if col[0] == "t" and hi > col[4]:  # the rows from the tail's start on are the tail's
+                start = max(lo, col[4])
+                out[start - lo:] = col[3][start - col[4]:hi - col[4]]
+            return out
         return col[lo:hi]
 
     def _search(self, fqn: str, k: int, value: int) -> int:
@@ -315,11 +232,19 @@ class ChunkIndex:
         n = self.tensors[fqn]["n"]
         col = self._column(fqn, k)
         if isinstance(col, tuple):
+            run = col[4] if col[0] == "t" else n  # rows of the arithmetic run (a "t" column's tail follows)
             if col[0] == "c" or col[2] == 0:
-                return 0 if value <= col[1] else n
-            if col[2] < 0:
+                found = 0 if value <= col[1] else run
+            elif col[2] < 0:
                 raise HeaderError(f"{self.where}: {fqn!r}: chunks not sorted along their sweep dimension")
-            return min(n, max(0, -(-(value - col[1]) // col[2])))
+            else:
+                found = min(run, max(0, -(-(value - col[1]) // col[2])))
+            if found < run or col[0] != "t":
+                return found
+            tail = col[3]
+            if (np.diff(tail) < 0).any() or (run and tail[0] < col[1] + col[2] * (run - 1)):
+                raise HeaderError(f"{self.where}: {fqn!r}: chunks not sorted along their sweep dimension")
+            return run + int(np.searchsorted(tail, value, side="left"))
         return int(np.searchsorted(col, value, side="left"))
 
     def _window(self, fqn: str, lo: int, hi: int) -> Found:

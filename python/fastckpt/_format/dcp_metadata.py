@@ -98,10 +98,9 @@ def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], 
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             out_chunks = []
-            for chunk in md.chunks:
-                offsets = tuple(int(o) for o in chunk.offsets)
-                loc = chunks[(fqn, offsets)]
-                out_chunks.append({"offsets": list(offsets), "sizes": [int(s) for s in chunk.sizes],
+            for chunk in md.chunks:  # torch.Size: ints, hashing and comparing as their tuple
+                loc = chunks[(fqn, tuple(chunk.offsets))]
+                out_chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
                                    "file": loc.file, "name": loc.name})
             if len(md.size) > _core.MAX_DCP_RANK:
                 raise ValueError(f"tensor {fqn!r} has {len(md.size)} dimensions, over the {_core.MAX_DCP_RANK} the "

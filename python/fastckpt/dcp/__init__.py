@@ -108,7 +108,8 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         path: the checkpoint folder (replaced atomically; see :class:`StorageWriter`).
         process_group: the ranks that save together (default: the whole world, or none without a process group).
         threads, durable, commit, storage_options: see :class:`StorageWriter` (``path`` may be ``s3://bucket/prefix``).
-        planner: a DCP ``SavePlanner`` (default ``DefaultSavePlanner``).
+        planner: a DCP ``SavePlanner`` (default :class:`fastckpt.dcp.SavePlanner` without caching: DCP's
+            ``DefaultSavePlanner`` whose coordinator merge runs over columns, with the same global plan and metadata).
         writer: a writer to use instead of a new one (to read its :attr:`StorageWriter.files` afterwards).
 
     Returns:
@@ -124,6 +125,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):
+            planner = planner if planner is not None else SavePlanner()
             return _dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
                              **no_dist_kwargs(_dcp.save, no_dist))
     except CheckpointException as exc:

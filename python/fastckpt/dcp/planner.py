@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.planner import SavePlan as _SavePlan
 from torch.distributed.checkpoint.planner import SavePlanner as _DCPSavePlanner
 
 from fastckpt.dcp.gc_pause import gc_paused
+from fastckpt.dcp.global_plan import merge_save_plans
 from fastckpt.dcp.indexed import narrowed
 from fastckpt.errors import DtypeError, MissingStateError, ShapeMismatchError
 
@@ -82,7 +83,8 @@ class SavePlanner(DefaultSavePlanner):
     ``fastckpt.dcp:{cache_key}``. On a second save whose local plan is unchanged a rank sends an empty plan and the
     coordinator reuses the merged global plan and metadata (no dedup, merge or validation). DCP compares names,
     offsets, shapes and chunks of the plans, not dtypes: a rank whose tensors changed dtype sends its full plan, so
-    the metadata is rebuilt. The coordinator's merge runs with the garbage collector paused (:mod:`gc_pause`).
+    the metadata is rebuilt. The coordinator's merge runs with the garbage collector paused (:mod:`gc_pause`), over
+    columns (:func:`fastckpt.dcp.global_plan.merge_save_plans`: DCP's global plan and metadata, object for object).
 
     Only for a storage writer that does not take its folder from the plan's ``storage_data`` (a cached plan holds
     the previous save's): :meth:`fastckpt.dcp.StorageWriter.save_planner` gives one where that is safe.
@@ -108,3 +110,8 @@ class SavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[_SavePlan]) -> tuple[list[_SavePlan], Metadata]:
         with gc_paused():
             return super().create_global_plan(all_plans)
+
+    def _create_global_plan(self, all_plans: list[_SavePlan]) -> tuple[list[_SavePlan], Metadata]:
+        # DCP's dedup + merge + validation, with DCP's output, over columns (fastckpt.dcp.global_plan)
+        return merge_save_plans(all_plans, save_to_lowest_rank=self.dedup_save_to_lowest_rank,
+                                flatten_state_dict=self.flatten_state_dict)

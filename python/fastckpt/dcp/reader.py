@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
 import weakref
@@ -12,7 +11,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DCPStorageReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -20,51 +18,22 @@ from torch.futures import Future
 from fastckpt._format.dcp_index import INDEX_FILE
 from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._format.dtypes import to_torch_dtype
-from fastckpt._format.tensors import destination_buffer
 from fastckpt._io.dcp.files import (
-    BoxRead,
     open_chunk_files,
     open_located_chunks,
-    read_boxes,
     read_dcp_index,
     read_dcp_metadata,
-    verify_chunks,
 )
 from fastckpt._io.location import check_location
 from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 from fastckpt._io.storage.object.store import OBJECT_SCHEMES, open_store, remote_url
+from fastckpt.dcp.boxes import read_own
 from fastckpt.dcp.indexed import Catalog
 from fastckpt.dcp.share import Exchange, PeerReadError, assign
 from fastckpt.errors import DtypeError, HeaderError, MissingStateError, ShapeMismatchError
 
-try:  # DCP's own walk (a private module); the same walk is in fastckpt.dcp.traverse for a torch without it
-    from torch.distributed.checkpoint._traverse import set_element
-except ImportError:  # pragma: no cover - exercised by tests/integrations/test_torch_compat.py in a subprocess
-    from fastckpt.dcp.traverse import set_element
-
 __all__ = ["StorageReader"]
-
-#: bytes of bounce buffers (destinations that are not contiguous CPU memory) filled per round
-_BOUNCE_BYTES = 256 << 20
-
-
-def _set_object(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
-    """Put a decoded non-tensor value where ``planner.load_bytes`` would, without unpickling anything."""
-    fqn = item.dest_index.fqn
-    if isinstance(planner, DefaultLoadPlanner):
-        if planner.flatten_state_dict:
-            set_element(planner.original_state_dict, planner.mappings[fqn], value)
-        else:
-            planner.state_dict[fqn] = value
-        return
-    # Another planner only takes bytes: hand it the value serialized here, in memory, from the decoded JSON
-    # (nothing read from the folder is unpickled).
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    buf.seek(0)
-    planner.load_bytes(item, buf)
-
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
     try:
@@ -341,74 +310,13 @@ class StorageReader(_DCPStorageReader):
 
     def _read_own(self, plan: LoadPlan, planner: LoadPlanner, elsewhere: set[int]) -> dict:
         """Check every destination, then read the boxes not ``elsewhere`` (plan positions another rank reads) and
-        commit them; returns ``{position: (item, destination)}`` of every tensor item."""
+        commit them (:func:`fastckpt.dcp.boxes.read_own`); returns ``{position: (item, destination)}``."""
         assert self._parsed is not None
         if self.url is not None:  # a planner that changed the plan after planning: its objects are read here
             self._fetch_for(plan.items)
         elif self._parsed.index is not None:
             self._open_for(plan.items)
-        parsed = self._parsed
-        tensor_items: dict[int, tuple[ReadItem, torch.Tensor]] = {}
-        for pos, item in enumerate(plan.items):
-            if item.type == LoadItemType.BYTE_IO:
-                continue
-            dest = planner.resolve_tensor(item).detach()
-            self._check(item, dest)
-            tensor_items[pos] = (item, dest)
-        mine = [(item, dest) for pos, (item, dest) in tensor_items.items() if pos not in elsewhere]
-        # every chunk a box is read from, summed whole, before anything is filled (a fetched s3 checkpoint was
-        # summed whole as it came in: not again)
-        if self.verify and self.url is None:
-            wanted: dict[str, set[str]] = {}
-            for item, dest in mine:
-                loc, sizes = parsed.locate(item.storage_index.fqn,
-                                           tuple(int(o) for o in (item.storage_index.offset or ())))
-                if loc.name not in wanted.setdefault(loc.file, set()):
-                    self.verified_bytes += math.prod(sizes) * dest.element_size()
-                wanted[loc.file].add(loc.name)
-            verify_chunks(self._files, self._records or {}, wanted, threads=self.threads)
-        for item in plan.items:  # every check passed: nothing was filled before this point
-            if item.type == LoadItemType.BYTE_IO:
-                _set_object(planner, item, parsed.objects[item.storage_index.fqn])
-        seen: set[tuple] = set()
-        batch: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None, BoxRead]] = []
-        bounce = 0
-        for item, dest in mine:
-            index = item.storage_index
-            offsets = tuple(int(o) for o in (index.offset or ()))
-            loc, chunk_sizes = parsed.locate(index.fqn, offsets)
-            if dest.numel() == 0:
-                planner.commit_tensor(item, dest)
-                continue
-            key = (dest.untyped_storage().data_ptr(), dest.storage_offset(), tuple(dest.stride()), loc,
-                   tuple(item.storage_offsets), tuple(item.lengths)) if dest.device.type == "cpu" else None
-            if key is not None and key in seen:  # a tied destination already receives these bytes
-                planner.commit_tensor(item, dest)
-                continue
-            if key is not None:
-                seen.add(key)
-            buf = destination_buffer(dest)
-            tmp = None
-            if buf is None:
-                tmp = torch.empty(dest.shape, dtype=dest.dtype)
-                buf = tmp.reshape(-1).view(torch.uint8).numpy()
-                bounce += tmp.numel() * tmp.element_size()
-            read = BoxRead(loc.file, loc.name, chunk_sizes, [int(o) for o in item.storage_offsets],
-                           [int(n) for n in item.lengths], dest.element_size(), buf)
-            batch.append((item, dest, tmp, read))
-            if bounce >= _BOUNCE_BYTES:
-                self._flush(batch, planner)
-                batch, bounce = [], 0
-        self._flush(batch, planner)
-        return tensor_items
-
-    def _flush(self, batch: list, planner: LoadPlanner) -> None:
-        read_boxes(self._files, [b[3] for b in batch], threads=self.threads)
-        self.read_bytes += sum(int(b[3].dest.nbytes) for b in batch)
-        for item, dest, tmp, _ in batch:
-            if tmp is not None:
-                dest.copy_(tmp)
-            planner.commit_tensor(item, dest)
+        return read_own(self, plan, planner, elsewhere)
 
     def load_planner(self) -> Any:
         """The DCP load planner for loads through this reader: :class:`fastckpt.dcp.LoadPlanner` (dtype check while

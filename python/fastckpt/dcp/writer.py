@@ -19,7 +19,8 @@ from torch.futures import Future
 
 from fastckpt import _core
 from fastckpt._format.codec import encode
-from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, index_bytes, shard_file_name
+from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, shard_file_name
+from fastckpt._format.dcp_index_write import index_bytes
 from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
 from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.location import check_location
@@ -268,16 +269,20 @@ class StorageWriter(_DCPStorageWriter):
         objects: dict[str, Any] = {}
         files: dict[str, dict[str, Any]] = {}
         for rank_results in results:
+            last_digests = None
             for r in rank_results:
                 data = r.storage_data
-                for name, digest in data.get("digests", ()):
-                    files[name] = {"bytes": digest[0], **digest_entry(digest)}
+                digests = data.get("digests", ())
+                if digests is not last_digests:  # a rank's results share one list: its files, entered once
+                    last_digests = digests
+                    for name, digest in digests:
+                        files[name] = {"bytes": digest[0], **digest_entry(digest)}
                 if "object" in data:
                     objects[r.index.fqn] = data["object"]
                 else:
                     index: MetadataIndex = r.index
-                    offsets = tuple(int(o) for o in (index.offset or ()))
-                    chunks[(index.fqn, offsets)] = ChunkLocation(data["file"], data["name"])
+                    # torch.Size holds ints and hashes / compares as the tuple of them
+                    chunks[(index.fqn, tuple(index.offset or ()))] = ChunkLocation(data["file"], data["name"])
         text = metadata_json(metadata, chunks, objects).encode("utf-8")
         return text, index_bytes(metadata, chunks, objects, len(results), text), files
 
