@@ -69,24 +69,27 @@ def check_remote_save(storage: Storage, *, fsdp: str | None, async_save: Any, sh
 
 
 def begin_save(accelerator: Any, storage: Storage, named_folder: bool, *, model_only: bool,
-               step: int) -> tuple[StagedSave, int | None]:
-    """(the staged save, n of an automatic full save's ``checkpoint_{n}`` or None) by accelerate's rules. Runs on
-    the main process.
+               step: int) -> tuple[StagedSave | None, str, int | None]:
+    """(the staged save, where it goes, n of an automatic full save's ``checkpoint_{n}`` or None) by accelerate's
+    rules. Runs on the main process. A named folder's save is opened when it is written (None here): a folder that
+    cannot take it fails that step, as a save's write does.
 
     Raises:
         ValueError: no folder and no ``automatic_checkpoint_naming``.
     """
     config = accelerator.project_configuration
     if named_folder:
-        return storage.begin(model_only=model_only, step=step), None
+        return None, storage.location, None
     if not config.automatic_checkpoint_naming:
         raise ValueError("output_dir is required unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
     if model_only:  # numbered apart, one above the largest model-only snapshot
-        return storage.begin(model_only=True, step=step), None
+        save = storage.begin(model_only=True, step=step)
+        return save, save.location, None
     numbers = [c.number for c in storage.list(full_only=False) if c.number is not None]
     n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
-    return storage.begin(f"{CHECKPOINTS_DIR}/checkpoint_{n}", step=step), n
+    save = storage.begin(f"{CHECKPOINTS_DIR}/checkpoint_{n}", step=step)
+    return save, save.location, n
 
 
 def named(committed: Committed | CheckpointView) -> Path | str:

@@ -52,12 +52,12 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
     staged: list = []  # the main process's StagedSave
 
     def choose() -> tuple[str, int | None]:
-        save, n = begin_save(accelerator, storage, output_dir is not None, model_only=model_only, step=step)
+        save, where, n = begin_save(accelerator, storage, output_dir is not None, model_only=model_only, step=step)
         staged.append(save)
-        return save.location, n
+        return where, n
 
     location, number = on_main(choose, what="choosing the checkpoint folder", timeout=timeout)
-    target = Path(location)  # a local save's folder (hooks, async saves, share_unchanged: local folders only)
+    target = Path(location).absolute()  # a local save's folder (hooks, async saves, share_unchanged: local only)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
     full_optimizers = None
@@ -74,7 +74,7 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
     if hooks:
         os.makedirs(target, exist_ok=True)
         for hook in hooks:
-            hook(models, weights, location)
+            hook(models, weights, str(target))
     rng = None
     if not model_only:
         if compat:
@@ -128,7 +128,7 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
             after_commit(folder)  # type: ignore[arg-type]  # a URL when the checkpoint is in object storage
 
     def write() -> Path | str:
-        save = staged[0]  # one commit of every process's files, made by this one
+        save = staged[0] or storage.begin(model_only=model_only, step=step)  # one commit of every process's files
         save.write(build(), durable=durable, threads=threads)
         path = named(save.commit())
         rotate(path)
@@ -144,7 +144,7 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
             config.iteration = number + 1 if number is not None else config.iteration + 1
         return handle
 
-    path = on_main(write, what=f"saving {target}", timeout=timeout)  # the outcome broadcast ends the save
+    path = on_main(write, what=f"saving {location}", timeout=timeout)  # the outcome broadcast ends the save
     config = accelerator.project_configuration
     if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
         config.iteration = number + 1 if number is not None else config.iteration + 1
