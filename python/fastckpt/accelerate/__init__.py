@@ -141,8 +141,8 @@ def save_state(
 
     Object storage: ``output_dir="s3://bucket/prefix"``, or ``ProjectConfiguration(project_dir="s3://bucket/run",
     automatic_checkpoint_naming=True, total_limit=...)`` with ``output_dir=None`` (numbered and rotated by
-    committed manifests): the main process writes every process's files (one RNG file per process) into a private
-    local folder and uploads them as one commit (see :mod:`fastckpt.accelerate.remote`; S3 settings from the
+    committed manifests): the main process uploads every process's files (one RNG file per process) from memory
+    as one commit, the manifest object last (see :mod:`fastckpt.accelerate.location`; S3 settings from the
     ``AWS_*`` environment). Not with FSDP2, ``async_save``, ``share_unchanged`` or save-state pre-hooks
     (ValueError).
 
