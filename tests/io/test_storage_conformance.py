@@ -133,6 +133,24 @@ def test_list_orders_by_number_and_keeps_kinds_apart(project):
     _assert_equal(snapshot, _read_model(project, ref=project.list(model_only=True)[0])[0])
 
 
+def test_list_full_only_false_counts_numbered_checkpoints_of_either_mode(project, backend):
+    _save(project, 1, step=1)
+    _save(project, 2, step=2, model_only=True)
+    assert _steps(project.list(full_only=False)) == [(1, False)]  # model-only snapshots stay apart
+    assert _steps(project.list(model_only=True, full_only=False)) == [(2, True)]
+    if backend == "memory":
+        return  # it names checkpoints by step: no model-only save among the numbered ones
+    # a model-only save placed among the numbered checkpoints (an explicit folder): counted, never resumed from
+    model, _, _ = make_training_state(3)
+    plan = build_save_plan([model], [], [], model_only=True, step=3, max_shard_size=None, compat=None,
+                           trainable_only=False, trainable_buffers=(), dtype=None, threads=0)
+    save = project.begin("checkpoints/checkpoint_5", model_only=True, step=3)
+    save.write(plan)
+    save.commit()
+    assert _steps(project.list()) == [(1, False)]
+    assert [(c.number, c.step, c.model_only) for c in project.list(full_only=False)] == [(0, 1, False), (5, 3, True)]
+
+
 def test_open_reads_the_newest_full_checkpoint_or_the_one_named(project):
     _save(project, 1, step=1)
     newest, _ = _save(project, 2, step=2)

@@ -48,28 +48,21 @@ from typing import Any, Callable, Literal, Sequence, overload
 import torch
 
 from fastckpt._io.async_save.writer import AsyncSave, wait_for_saves_to
-from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout, on_main
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, agree, alone, check_timeout
 from fastckpt._io.group.participation import GRACE, participants
 from fastckpt._io.log import log_load
 from fastckpt._io.storage.local.folder import opened_files, pinned
 from fastckpt._io.storage.local.layout import checkpoint_layout, random_states_name
-from fastckpt._io.storage.local.numbering import checkpoint_numbers
-from fastckpt._plan.load import check_input_dir, plan_load
+from fastckpt._plan.load import plan_load
 from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, warn_unrestored
 from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full
+from fastckpt.accelerate.location import check_remote_save, checkpoint_storage, fetched_on_every_rank, set_iteration
 from fastckpt.accelerate.manager import checkpoint_manager
-from fastckpt.accelerate.project import project_root, set_iteration
-from fastckpt.accelerate.remote import (
-    check_remote_save,
-    fetched_on_every_rank,
-    remote_location,
-    set_remote_iteration,
-)
 from fastckpt.accelerate.saving import DEFAULT_MAX_SHARD_SIZE, UNSET, save_tracked
 from fastckpt.checkpoint import LoadResult
-from fastckpt.errors import CheckpointError, MissingStateError
+from fastckpt.errors import CheckpointError
 
 __all__ = ["save_state", "load_state", "checkpoint_manager", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -148,8 +141,8 @@ def save_state(
 
     Object storage: ``output_dir="s3://bucket/prefix"``, or ``ProjectConfiguration(project_dir="s3://bucket/run",
     automatic_checkpoint_naming=True, total_limit=...)`` with ``output_dir=None`` (numbered and rotated by
-    committed manifests): the main process writes every process's files (one RNG file per process) into a private
-    local folder and uploads them as one commit (see :mod:`fastckpt.accelerate.remote`; S3 settings from the
+    committed manifests): the main process uploads every process's files (one RNG file per process) from memory
+    as one commit, the manifest object last (see :mod:`fastckpt.accelerate.location`; S3 settings from the
     ``AWS_*`` environment). Not with FSDP2, ``async_save``, ``share_unchanged`` or save-state pre-hooks
     (ValueError).
 
@@ -198,21 +191,18 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
     async saves), e.g. to rotate older checkpoints; ``every_process=True``: the caller knows every process calls
     this save (Trainer does), so the main process does not check who joins (no main-process-only save). Other
     arguments: as :func:`save_state`."""
-    remote, project = remote_location(accelerator, output_dir, "output_dir")
+    storage = checkpoint_storage(accelerator, output_dir, "output_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
-    if remote is not None or (project is not None and output_dir is None):
-        check_remote_save(fsdp=fsdp, async_save=async_save, share_unchanged=share_unchanged,
-                          hooks=list(accelerator._save_model_state_pre_hook.values()))
-    else:
-        remote = project = None
+    check_remote_save(storage, fsdp=fsdp, async_save=async_save, share_unchanged=share_unchanged,
+                      hooks=list(accelerator._save_model_state_pre_hook.values()))
     check_save_args(fsdp, compat=compat, trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
                      async_save=async_save, extras=bool(files) or after_commit is not None)
     kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
                   threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
                   share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,
                   host_memory_budget=host_memory_budget, files=files, after_commit=after_commit,
-                  remote=remote, project=project)
+                  storage=storage)
     what = f"save_state to {output_dir}" if output_dir is not None else "save_state"
     if every_process or participants(what, timeout) == "all":
         return save_tracked(accelerator, output_dir, fsdp, **kwargs)
@@ -224,16 +214,6 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
             "call it outside `if accelerator.is_main_process:`")
     with alone():  # the diffusers pattern: the main process's files and its RNG file, as stock accelerate writes
         return save_tracked(accelerator, output_dir, fsdp, **kwargs)
-
-
-def _resolve(accelerator: Any, input_dir: Any, model_only: bool) -> Path:
-    if input_dir is not None:
-        return check_input_dir(Path(input_dir).expanduser()).absolute()
-    numbers = checkpoint_numbers(project_root(accelerator), full_only=not model_only)
-    if not numbers:
-        what = "checkpoint_N" if model_only else "checkpoint_N saved in full"
-        raise MissingStateError(f"{project_root(accelerator) / 'checkpoints'}: no committed {what} to load")
-    return numbers[max(numbers)].absolute()
 
 
 def _rng_rank(folder: Path, layout: str, rank: int) -> int | None:
@@ -301,25 +281,17 @@ def load_state(
     Example:
         >>> fastckpt.accelerate.load_state(accelerator, "ckpt")
     """
-    remote, project = remote_location(accelerator, input_dir, "input_dir")
+    storage = checkpoint_storage(accelerator, input_dir, "input_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
-    if remote is not None or (project is not None and input_dir is None):
-        if fsdp is not None:
-            raise ValueError("FSDP2 states do not load from s3:// yet; download the checkpoint and load it locally")
-        with fetched_on_every_rank(remote, project, model_only=model_only, timeout=timeout) as (chosen, folder):
-            result = _load_folder(accelerator, folder, model_only=model_only, strict=strict,
-                                  map_location=map_location, trust_pickle=trust_pickle, threads=threads,
-                                  timeout=timeout, cast=cast, fsdp=fsdp)
-        set_remote_iteration(accelerator, chosen)
-        return result
-    folder = on_main(lambda: _resolve(accelerator, input_dir, model_only), what="finding the checkpoint",
-                     timeout=timeout)
-    wait_for_saves_to(Path(input_dir).expanduser() if input_dir is not None
-                      else project_root(accelerator) / "checkpoints")
-    result = _load_folder(accelerator, folder, model_only=model_only, strict=strict, map_location=map_location,
-                          trust_pickle=trust_pickle, threads=threads, timeout=timeout, cast=cast, fsdp=fsdp)
-    set_iteration(accelerator, folder)
+    if fsdp is not None and storage.tier != "local":
+        raise ValueError("FSDP2 states do not load from s3:// yet; download the checkpoint and load it locally")
+    wait_for_saves_to(storage.root)
+    with fetched_on_every_rank(storage, input_dir, model_only=model_only, timeout=timeout) as view:
+        result = _load_folder(accelerator, view.path.absolute(), model_only=model_only, strict=strict,
+                              map_location=map_location, trust_pickle=trust_pickle, threads=threads,
+                              timeout=timeout, cast=cast, fsdp=fsdp)
+    set_iteration(accelerator, view)
     return result
 
 

@@ -1,17 +1,17 @@
-"""Where an Accelerator's checkpoints go: its project folder, automatic naming, ``iteration`` after a load
+"""Where an Accelerator's checkpoints go on local disk: its project folder and automatic naming (the sharded FSDP2
+save's; every other save and load resolves a storage: :mod:`fastckpt.accelerate.location`)
 (accelerate's ``ProjectConfiguration`` rules; model-only snapshots numbered apart, see :mod:`fastckpt._io.storage.local.layout`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from fastckpt._io.storage.local.numbering import checkpoint_numbers, next_checkpoint_dir
 
-__all__ = ["project_root", "choose_target", "set_iteration"]
+__all__ = ["project_root", "choose_target"]
 
 
 def project_root(accelerator: Any) -> Path:
@@ -39,11 +39,3 @@ def choose_target(accelerator: Any, output_dir: Any, model_only: bool) -> tuple[
     numbers = checkpoint_numbers(root)
     n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
     return root / "checkpoints" / f"checkpoint_{n}", n
-
-
-def set_iteration(accelerator: Any, folder: Path) -> None:
-    """``project_configuration.iteration`` = N + 1 after loading ``{project_dir}/checkpoints/checkpoint_N``."""
-    m = re.fullmatch(r"checkpoint_(\d+)", folder.name)
-    root = project_root(accelerator) / "checkpoints"
-    if m and folder.parent.resolve() == root.resolve():
-        accelerator.project_configuration.iteration = int(m.group(1)) + 1

@@ -14,12 +14,12 @@ import torch
 
 from fastckpt._io.async_save.writer import AsyncSave
 from fastckpt._io.group.distributed import gather_to_main, on_main
-from fastckpt._io.storage.local.numbering import rotate_checkpoints
+from fastckpt._io.storage.base import Storage
 from fastckpt._plan.save import build_save_plan
 from fastckpt._state.rng import rng_payload
 from fastckpt.accelerate.fsdp import save_sharded_state
-from fastckpt.accelerate.project import choose_target, project_root
-from fastckpt.accelerate.remote import choose_remote_target, write_remote
+from fastckpt.accelerate.location import begin_save, named
+from fastckpt.accelerate.project import project_root
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "UNSET", "save_tracked"]
 
@@ -33,12 +33,13 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
                  max_shard_size: Any, durable: bool, threads: int, trainable_only: bool,
                  trainable_buffers: Sequence[str], dtype: Any, share_unchanged: bool, timeout: float,
                  async_save: bool | str, host_memory_budget: Any, files: dict[str, str | bytes] | None,
-                 after_commit: Callable[[Path], None] | None, remote: Any, project: Any) -> Path | AsyncSave | str:
+                 after_commit: Callable[[Path], None] | None, storage: Storage) -> Path | AsyncSave | str:
     """Save everything ``accelerator`` tracks (checked arguments, every participating process calls it; see
-    :func:`fastckpt.accelerate.save_with_files`): chooses the folder on the main process, gathers the RNG states,
-    builds the plan (fastckpt's layout or ``compat="accelerate"``), commits it (or hands it to the async writer),
-    rotates, and advances ``ProjectConfiguration.iteration``. Returns the folder, the async handle, or the
-    ``s3://`` URL."""
+    :func:`fastckpt.accelerate.save_with_files`): the main process opens the save in ``storage`` (the checkpoint's,
+    or the project's: :mod:`fastckpt.accelerate.location`), the RNG states are gathered to it, it builds the plan
+    (fastckpt's layout or ``compat="accelerate"``), writes and commits it (or hands it to the async writer) and
+    rotates; every process advances ``ProjectConfiguration.iteration``. Returns the folder, the async handle, or
+    the ``s3://`` URL."""
     if fsdp == "SHARDED_STATE_DICT":
         return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
                              timeout=timeout)
@@ -47,12 +48,16 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
-    if remote is not None or project is not None:
-        target, number = on_main(lambda: choose_remote_target(accelerator, remote, project, model_only),
-                                 what="choosing the checkpoint", timeout=timeout)
-    else:
-        target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only),
-                                 what="choosing the checkpoint folder", timeout=timeout)
+    step = int(accelerator.step)
+    staged: list = []  # the main process's StagedSave
+
+    def choose() -> tuple[str, int | None]:
+        save, where, n = begin_save(accelerator, storage, output_dir is not None, model_only=model_only, step=step)
+        staged.append(save)
+        return where, n
+
+    location, number = on_main(choose, what="choosing the checkpoint folder", timeout=timeout)
+    target = Path(location).absolute()  # a local save's folder (hooks, async saves, share_unchanged: local only)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
     full_optimizers = None
@@ -70,7 +75,6 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
         os.makedirs(target, exist_ok=True)
         for hook in hooks:
             hook(models, weights, str(target))
-    step = int(accelerator.step)
     rng = None
     if not model_only:
         if compat:
@@ -113,25 +117,22 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
                                              max_shard_size=max_shard_size, threads=threads))
         return plan
 
-    def rotate() -> None:
+    def rotate(folder: Path | str = target) -> None:  # the committed checkpoint (the async writer: target)
         for hook in share_hooks:
             if hook is not None:
                 hook(target)
         limit = accelerator.project_configuration.total_limit
-        if number is not None and limit is not None:
-            rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)
+        if output_dir is None and limit is not None:  # automatic naming: the oldest of this kind go
+            storage.rotate(limit, model_only=model_only)
         if after_commit is not None:
-            after_commit(target)
+            after_commit(folder)  # type: ignore[arg-type]  # a URL when the checkpoint is in object storage
 
     def write() -> Path | str:
-        from fastckpt._io.storage.local.commit import write_checkpoint
-
-        if remote is not None or project is not None:  # one commit of every process's files, made by this one
-            return write_remote(accelerator, target, number, lambda folder: write_checkpoint(
-                build(), folder, durable=False, threads=threads), model_only=model_only)
-        write_checkpoint(build(), target, durable=durable, threads=threads)
-        rotate()
-        return target
+        save = staged[0] or storage.begin(model_only=model_only, step=step)  # one commit of every process's files
+        save.write(build(), durable=durable, threads=threads)
+        path = named(save.commit())
+        rotate(path)
+        return path
 
     if async_save:
         from fastckpt.accelerate.async_save import save_async
@@ -143,7 +144,7 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
             config.iteration = number + 1 if number is not None else config.iteration + 1
         return handle
 
-    path = on_main(write, what=f"saving {target}", timeout=timeout)  # the outcome broadcast ends the save
+    path = on_main(write, what=f"saving {location}", timeout=timeout)  # the outcome broadcast ends the save
     config = accelerator.project_configuration
     if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
         config.iteration = number + 1 if number is not None else config.iteration + 1

@@ -157,8 +157,11 @@ class Storage(Protocol):
         """Open a staged save: ``name`` a checkpoint inside the storage, or None for the next ``checkpoint_{n}``."""
         ...
 
-    def list(self, *, model_only: bool = False) -> list[Committed]:
-        """The committed checkpoints of one kind, oldest (lowest number) first."""
+    def list(self, *, model_only: bool = False, full_only: bool | None = None) -> list[Committed]:
+        """The committed checkpoints of one kind, oldest (lowest number) first: the numbered checkpoints
+        (``checkpoints/``), or the model-only snapshots with ``model_only``. ``full_only`` (default: not
+        ``model_only``): of the numbered ones only those saved in full (what a full load resumes from); False: of
+        either mode (what a model-only load picks from, and what automatic numbering counts)."""
         ...
 
     def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,

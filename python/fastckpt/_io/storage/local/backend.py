@@ -161,12 +161,13 @@ class LocalStorage:
         return _committed(target, None) if target.is_dir() and is_committed(target) and (target / MANIFEST).is_file() \
             else None
 
-    def list(self, *, model_only: bool = False) -> list[Committed]:
-        """The committed checkpoints of one kind (full ones: saved in full), oldest first; a named folder lists
-        itself when committed."""
+    def list(self, *, model_only: bool = False, full_only: bool | None = None) -> list[Committed]:
+        """The committed checkpoints of one kind (full ones: saved in full unless ``full_only=False``), oldest
+        first; a named folder lists itself when committed."""
         if self.folder is not None:
             return [_committed(self.folder, None)] if is_committed(self.folder) else []
-        numbers = checkpoint_numbers(self.project, model_only=model_only, full_only=not model_only)
+        full_only = not model_only if full_only is None else full_only
+        numbers = checkpoint_numbers(self.project, model_only=model_only, full_only=full_only)
         return [_committed(numbers[n], n) for n in sorted(numbers)]
 
     def locate(self, ref: Committed | None = None, *, model_only: bool = False) -> Path:

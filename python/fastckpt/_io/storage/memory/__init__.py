@@ -208,8 +208,9 @@ class MemoryTier:
             raise ValueError("the memory tier names checkpoints by step: pass step=, not name")
         return MemorySave(self, step, model_only=model_only)
 
-    def list(self, *, model_only: bool = False) -> list[Committed]:
-        """The committed checkpoints of one kind, oldest first (number = step)."""
+    def list(self, *, model_only: bool = False, full_only: bool | None = None) -> list[Committed]:
+        """The committed checkpoints of one kind, oldest first (number = step); the tier keeps model-only
+        snapshots under ``model_only/`` only, so ``full_only`` changes nothing."""
         found = checkpoint_numbers(self.root, model_only=model_only)
         return [Committed(str(f), n, n, model_only, f) for n, f in sorted(found.items())]
 

@@ -128,14 +128,16 @@ class ObjectStorage:
                              "supported with s3:// yet; save locally, or pass async_save=False / "
                              "share_unchanged=False")
 
-    def list(self, *, model_only: bool = False) -> list[Committed]:
-        """The committed checkpoints of one kind, oldest first; a named checkpoint lists itself when committed."""
+    def list(self, *, model_only: bool = False, full_only: bool | None = None) -> list[Committed]:
+        """The committed checkpoints of one kind (full ones: saved in full unless ``full_only=False``), oldest
+        first; a named checkpoint lists itself when committed."""
         store = self.store
         if self.url is not None:
             found = committed_manifest(store, self.url)
             return [_committed(self.url, found, None)] if found is not None else []
         assert self.project is not None
-        numbers = object_checkpoints(store, self.project, model_only=model_only, full_only=not model_only)
+        full_only = not model_only if full_only is None else full_only
+        numbers = object_checkpoints(store, self.project, model_only=model_only, full_only=full_only)
         return [_committed(url, found, n) for n, (url, found) in sorted(numbers.items())]
 
     @contextlib.contextmanager

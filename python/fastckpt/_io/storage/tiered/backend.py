@@ -107,9 +107,9 @@ class TieredStorage:
         """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStorage.previous`."""
         return self.local.previous(save.local)
 
-    def list(self, *, model_only: bool = False) -> list[Committed]:
+    def list(self, *, model_only: bool = False, full_only: bool | None = None) -> list[Committed]:
         """The local tier's committed checkpoints (the remote tier holds those uploaded)."""
-        return self.local.list(model_only=model_only)
+        return self.local.list(model_only=model_only, full_only=full_only)
 
     @contextlib.contextmanager
     def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
