@@ -126,13 +126,24 @@ impl SafetensorsFile {
             .map(|b| std::sync::Mutex::new(Some(b)))
             .collect();
         let ranges: Vec<(u64, u64)> = (0..blocks.len() as u64)
-            .map(|k| (start + k * BLOCK, (start + (k + 1) * BLOCK).min(start + len)))
+            .map(|k| {
+                (
+                    start + k * BLOCK,
+                    (start + (k + 1) * BLOCK).min(start + len),
+                )
+            })
             .collect();
         with_readahead(&file, &ranges, |done| {
             pool::run::<(), _>(threads, blocks.len(), None, |_, k| {
-                let block = blocks[k].lock().expect("block lock").take().expect("each block once");
+                let block = blocks[k]
+                    .lock()
+                    .expect("block lock")
+                    .take()
+                    .expect("each block once");
                 let at = ranges[k].0;
-                self.read_exact_at(&file, block, at, || format!("bytes [{start}, {})", start + len))?;
+                self.read_exact_at(&file, block, at, || {
+                    format!("bytes [{start}, {})", start + len)
+                })?;
                 done.fetch_add(ranges[k].1 - at, Ordering::Relaxed);
                 Ok(())
             })

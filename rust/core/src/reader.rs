@@ -291,7 +291,11 @@ impl SafetensorsFile {
             }
             let start = self.header.data_start + info.begin + offset;
             // Summed pieces stay small enough to be summed while still in the CPU cache.
-            let step = if sum { chunk_bytes.min(PIECE as u64) } else { chunk_bytes };
+            let step = if sum {
+                chunk_bytes.min(PIECE as u64)
+            } else {
+                chunk_bytes
+            };
             for (k, piece) in buf.chunks_mut(step as usize).enumerate() {
                 flat.push((start + k as u64 * step, piece, names.len()));
             }
@@ -308,10 +312,13 @@ impl SafetensorsFile {
             .collect();
         let limit = if sum { PIECE as u64 } else { chunk_bytes };
         let runs = runs(&ranges, limit);
-        let mut pieces: Vec<Option<&mut [u8]>> = flat.into_iter().map(|(_, p, _)| Some(p)).collect();
+        let mut pieces: Vec<Option<&mut [u8]>> =
+            flat.into_iter().map(|(_, p, _)| Some(p)).collect();
         let mut jobs: Vec<Mutex<Vec<&mut [u8]>>> = Vec::with_capacity(runs.len());
         for run in &runs {
-            let bufs = run.clone().map(|j| pieces[j].take().expect("each piece once"));
+            let bufs = run
+                .clone()
+                .map(|j| pieces[j].take().expect("each piece once"));
             jobs.push(Mutex::new(bufs.collect()));
         }
         let sums: Vec<OnceLock<u32>> = (0..spans.len()).map(|_| OnceLock::new()).collect();
@@ -324,7 +331,9 @@ impl SafetensorsFile {
                 self.read_run(&file, &mut bufs, &offsets, what)?;
                 if sum {
                     for (k, piece) in bufs.iter().enumerate() {
-                        sums[run.start + k].set(crc32c_append(0, piece)).expect("each piece once");
+                        sums[run.start + k]
+                            .set(crc32c_append(0, piece))
+                            .expect("each piece once");
                     }
                 }
                 let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();

@@ -269,7 +269,13 @@ impl SafetensorsFile {
     /// positional reads on `threads` workers (0: 16 when the range looks cold, many reads in flight; else
     /// min(8, cores)), GIL released; raises TruncatedFileError past the end, OSError.
     #[pyo3(signature = (start, buffer, *, threads = 0))]
-    fn read_span(&self, py: Python<'_>, start: u64, buffer: &Bound<'_, PyAny>, threads: usize) -> PyResult<()> {
+    fn read_span(
+        &self,
+        py: Python<'_>,
+        start: u64,
+        buffer: &Bound<'_, PyAny>,
+        threads: usize,
+    ) -> PyResult<()> {
         let buf = PyUntypedBuffer::get(buffer)?;
         if buf.readonly() || !buf.is_c_contiguous() {
             return Err(PyValueError::new_err(format!(
