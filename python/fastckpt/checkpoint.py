@@ -20,11 +20,10 @@ import torch
 from fastckpt._io.async_save.writer import AsyncSave, wait_for_saves_to
 from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, check_timeout, is_distributed
 from fastckpt._io.log import log_load
+from fastckpt._io.storage.base import newest
 from fastckpt._io.storage.local.folder import RETRIES, opened_files
 from fastckpt._io.storage.local.integrity import VerifyReport
 from fastckpt._io.storage.local.integrity import verify_checkpoint as _verify_local
-from fastckpt._io.storage.local.numbering import latest_checkpoint as _latest_local
-from fastckpt._io.storage.object.api import fetched, latest_remote, remote_target
 from fastckpt._io.storage.schemes import resolve, resolve_tiered
 from fastckpt._io.storage.tiered.upload import TieredSave
 from fastckpt._plan.load import plan_load
@@ -418,10 +417,9 @@ def latest_checkpoint(project_dir: str | os.PathLike[str] | None = None, *, mode
     Raises:
         ValueError: a URL of a scheme fastckpt does not serve.
     """
-    _, project = remote_target(None, project_dir, "project_dir")
-    if project is not None:
-        return latest_remote(project, model_only=model_only, storage_options=storage_options)
-    return _latest_local(project_dir, model_only=model_only)
+    storage = resolve(None, project_dir=project_dir, storage_options=storage_options, what="project_dir")
+    found = newest(storage, model_only=model_only)
+    return None if found is None else found.named
 
 
 def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progress: Any = None,
@@ -440,11 +438,10 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progr
         >>> fastckpt.verify_checkpoint("checkpoints/checkpoint_3").tensors_checked
         42
     """
-    remote, _ = remote_target(folder, None, "folder")
-    if remote is not None:
-        with fetched(remote, None, model_only=False, storage_options=storage_options) as local:
-            report = _verify_local(local, threads=threads, progress=progress)
-            report.problems = [p.replace(str(local), str(remote)) for p in report.problems]
-            report.folder = str(remote)  # the copy is gone once this returns
-            return report
-    return _verify_local(folder, threads=threads, progress=progress)
+    if folder is None:  # None would name the project's newest checkpoint: verify_checkpoint wants one checkpoint
+        raise TypeError("folder is None; pass the checkpoint folder (or its s3:// URL) to verify")
+    storage = resolve(folder, storage_options=storage_options, what="folder")
+    with storage.as_local() as view:  # an s3:// checkpoint: fetched and checked into memory; errors name the URL
+        report = _verify_local(view.path, threads=threads, progress=progress)
+    report.folder = view.named  # a fetched copy is gone once this returns
+    return report

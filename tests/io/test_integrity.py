@@ -213,6 +213,14 @@ def test_cli_verify_file_and_not_a_checkpoint(good, tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"TruncatedFileError: {tmp_path / 'bad.safetensors'}: ")
 
 
+def test_verify_checkpoint_reports_the_folder_it_was_given_and_refuses_none(good):
+    ckpt, _ = good
+    report = fastckpt.verify_checkpoint(str(ckpt))
+    assert report.ok and report.folder == ckpt  # a local folder is reported as a Path, as given
+    with pytest.raises(TypeError, match="folder is None"):  # not "the project's newest checkpoint"
+        fastckpt.verify_checkpoint(None)
+
+
 def test_cli_inspect_shows_parts_tensors_dtypes_shapes_sizes_and_mode(good, capsys):
     ckpt, _ = good
     assert cli(["inspect", str(ckpt)]) == 0

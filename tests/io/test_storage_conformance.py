@@ -181,3 +181,35 @@ def test_a_named_location_holds_one_checkpoint_saved_over_in_one_step(named):
     assert [(c.number, c.step) for c in named.list()] == [(None, 2)]
     _assert_equal(newer, _read_model(named)[0])
     assert named.rotate(1) == []
+
+
+def test_as_local_hands_over_the_committed_files_as_they_are(project):
+    with pytest.raises(MissingStateError):
+        with project.as_local():
+            pass
+    _save(project, 1, step=1)
+    newest, _ = _save(project, 2, step=2)
+    snapshot, _ = _save(project, 3, step=3, model_only=True)
+    with project.as_local() as view:
+        _assert_equal(newest, safetensors.torch.load((view.path / "model.safetensors").read_bytes()))
+        assert view.named == (view.location if view.copy else view.path)
+    with project.as_local(project.list(model_only=True)[0]) as view:
+        _assert_equal(snapshot, safetensors.torch.load((view.path / "model.safetensors").read_bytes()))
+        assert json.loads((view.path / "fastckpt.json").read_text())["mode"] == "model_only"
+
+
+def test_a_committed_checkpoint_is_named_as_a_path_or_its_url(project):
+    _, committed = _save(project, 1, step=1)
+    listed = project.list()[0]
+    assert str(listed.named) == listed.location == committed.location
+    # a local folder is a Path (what latest_checkpoint returns), a checkpoint in object storage its URL (a str)
+    assert isinstance(listed.named, Path) == (listed.path is not None)
+    with project.as_local(listed) as view:
+        assert isinstance(view.named, Path) == (not view.copy)
+
+
+def test_as_local_of_a_named_location_is_that_checkpoint(named):
+    saved, _ = _save(named, 1, step=1)
+    with named.as_local() as view:
+        _assert_equal(saved, safetensors.torch.load((view.path / "model.safetensors").read_bytes()))
+        assert view.location == named.location

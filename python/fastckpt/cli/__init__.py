@@ -63,47 +63,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: the path arguments of the subcommands (checked before a subcommand runs)
 PATH_ARGUMENTS = ("path", "src", "dst", "out")
-#: subcommands that also read an ``s3://`` checkpoint (fetched and checked against its manifest first): the argument
+#: subcommands that also read a checkpoint in any storage ``fastckpt._io.storage.resolve`` serves (an ``s3://`` one is
+#: fetched and checked against its manifest first): the argument
 REMOTE_COMMANDS = {"verify": "path", "inspect": "path", "consolidate": "src", "convert": "src"}
 
 
 def _refused_location(args: argparse.Namespace) -> str | None:
     """The message for a path argument whose URL scheme the command line does not serve, else None."""
     from fastckpt._io.location import check_location
-    from fastckpt._io.storage.object.store import OBJECT_SCHEMES
+    from fastckpt._io.storage.schemes import remote_scheme
 
     for name in PATH_ARGUMENTS:
-        served = OBJECT_SCHEMES if REMOTE_COMMANDS.get(args.command) == name else ()
+        check = remote_scheme if REMOTE_COMMANDS.get(args.command) == name else check_location
         try:
-            check_location(getattr(args, name, None), name.upper(), supported=served)
+            check(getattr(args, name, None), name.upper())
         except ValueError as exc:
             return str(exc)
     return None
 
 
-def _run_remote(args: argparse.Namespace) -> int | None:
-    """Run a :data:`REMOTE_COMMANDS` subcommand on a local copy of an ``s3://`` checkpoint (every object's size and
-    crc32c checked against the manifest while downloaded); None when its argument is local."""
-    from fastckpt._io.storage.object.api import fetched
-    from fastckpt._io.storage.object.store import remote_url
+def _run_on_copy(args: argparse.Namespace) -> int | None:
+    """Run a :data:`REMOTE_COMMANDS` subcommand on its checkpoint's files: a local path is handed on as given
+    (None: the caller runs the subcommand), a fetched copy (``view.copy``: an ``s3://`` checkpoint, every object's
+    size and crc32c checked against the manifest while downloaded) is read from memory and named by its URL."""
+    from fastckpt._io.storage import resolve
     from fastckpt.errors import CheckpointError
 
     name = REMOTE_COMMANDS.get(args.command)
-    try:
-        url = remote_url(getattr(args, name), name.upper()) if name is not None else None
-        if url is None:
-            return None
-        with fetched(url, None, model_only=False, storage_options=None) as local:
-            print(f"{url}: every object matches its manifest (sizes, crc32c); reading it from memory", file=sys.stderr)
-            setattr(args, name, str(local))
-            with contextlib.redirect_stdout(_Renaming(sys.stdout, str(local), str(url))):
+    if name is None:
+        return None
+    with contextlib.ExitStack() as stack:
+        try:
+            view = stack.enter_context(resolve(getattr(args, name), what=name.upper()).as_local())
+            if not view.copy:
+                return None
+            print(f"{view.location}: every object matches its manifest (sizes, crc32c); reading it from memory",
+                  file=sys.stderr)
+            setattr(args, name, str(view.path))
+            with contextlib.redirect_stdout(_Renaming(sys.stdout, str(view.path), view.location)):
                 return args.run(args)
-    except CheckpointError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, FileNotFoundError) else 1
-    except (OSError, ValueError) as exc:
-        print(f"fastckpt {args.command}: {exc}", file=sys.stderr)
-        return 2
+        except CheckpointError as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, FileNotFoundError) else 1
+        except (OSError, ValueError) as exc:
+            print(f"fastckpt {args.command}: {exc}", file=sys.stderr)
+            return 2
 
 
 class _Renaming:
@@ -132,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fastckpt {args.command}: error: {refused}", file=sys.stderr)
         return 2
     try:
-        status = _run_remote(args)
+        status = _run_on_copy(args)
         status = args.run(args) if status is None else status
         sys.stdout.flush()  # surface a closed pipe here, not in the interpreter's shutdown
         return status

@@ -15,6 +15,7 @@ verb                        meaning
 ``Storage.list()``          the committed checkpoints, oldest first (``checkpoint_{n}`` numbering, with the step)
 ``Storage.open(ref)``       a pinned, validated view: every file of one load comes from the same committed save
 ``Storage.open_shared()``   the same for a sharded load by a process group: every process reads the same save
+``Storage.as_local(ref)``   its files as they are under a local path, for tools that check or show them (verify, CLI)
 ``Storage.remove(ref)``     remove one committed checkpoint (it stops counting at once; never half-removed)
 ``Storage.rotate(n)``       remove the oldest committed checkpoints of one kind so that ``n`` remain
 ==========================  ==========================================================================================
@@ -47,12 +48,19 @@ class Committed:
         number: the ``n`` of ``checkpoint_{n}`` under automatic naming; None for a named location.
         step: the training step its manifest records (``fastckpt.json``'s ``step``), None if it records none.
         model_only: the manifest's mode is ``"model_only"``.
+        path: the local folder it is, as ``Path``; None when it is no local folder (an object-store prefix).
     """
 
     location: str
     number: int | None
     step: int | None = None
     model_only: bool = False
+    path: Path | None = None
+
+    @property
+    def named(self) -> Path | str:
+        """How a public call returns it (``latest_checkpoint``): the local folder as a ``Path``, else the URL."""
+        return self.path if self.path is not None else self.location
 
 
 @dataclass
@@ -77,7 +85,16 @@ class CheckpointView:
     #: the reads through ``folder`` were already checked against the manifest's crc32c when it was opened (an
     #: object store's fetch): the loader need not sum them again
     checked: bool = False
+    #: ``path`` is a copy of the checkpoint's files (an object store's fetch into memory), gone once the view
+    #: closes: users and errors are told ``location``, never ``path``
+    copy: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def named(self) -> Path | str:
+        """How a public call names it (``VerifyReport.folder``): ``path`` when the files are read where they are,
+        else ``location`` (the URL of a fetched copy)."""
+        return self.location if self.copy else self.path
 
 
 @runtime_checkable
@@ -134,6 +151,16 @@ class Storage(Protocol):
         the same committed save on every process, or a typed error on every process within ``timeout`` seconds.
         ``what`` names the call in those errors (``"load_state"``). ``extra["remote"]``, when set, fetches parts
         lazily."""
+        ...
+
+    def as_local(self, ref: Committed | None = None, *,
+                 model_only: bool = False) -> contextlib.AbstractContextManager[CheckpointView]:
+        """The files of ``ref`` (None: as :meth:`open` picks, but a named location as given, whatever is there)
+        under a local path, ``view.path``, as they are: nothing pinned and no check of the backend's own beyond what
+        reaching them takes (an object store's fetch checks every object against the manifest: ``view.copy``).
+        For tools that check or show a checkpoint (``verify_checkpoint``, the CLI), which report damage themselves.
+        Raises MissingStateError when nothing committed is there to pick (a named local path is handed on even
+        when it is a file or absent: the tool names it)."""
         ...
 
     def remove(self, ref: Committed) -> None:

@@ -57,7 +57,7 @@ def _committed(folder: Path, number: int | None) -> Committed:
     manifest = manifest if isinstance(manifest, dict) else {}
     step = manifest.get("step")
     return Committed(str(folder), number, step if isinstance(step, int) else None,
-                     manifest.get("mode") == "model_only")
+                     manifest.get("mode") == "model_only", folder)
 
 
 class LocalStagedSave:
@@ -162,6 +162,13 @@ class LocalStorage:
         """The folder :meth:`locate` picks, unpinned: every process resolves it itself and the sharded load's
         readers open its files (DCP checks each against the manifest)."""
         folder = self.locate(model_only=model_only)
+        yield CheckpointView(location=str(folder), folder=folder, path=folder, tier=self.tier)
+
+    @contextlib.contextmanager
+    def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:
+        """The folder itself: ``ref``'s, the named path as given (a file or nothing there included: the caller's
+        tool reports it), or the newest committed checkpoint of the project (:meth:`locate`)."""
+        folder = self.folder if ref is None and self.folder is not None else self.locate(ref, model_only=model_only)
         yield CheckpointView(location=str(folder), folder=folder, path=folder, tier=self.tier)
 
     def remove(self, ref: Committed) -> None:

@@ -112,7 +112,7 @@ class MemorySave:
         self._owner.release()
         self._owner = None
         self.tier.prune(keep=self.step, model_only=self.model_only)
-        return Committed(self.location, self.step, self.step, self.model_only)
+        return Committed(self.location, self.step, self.step, self.model_only, self.target)
 
     def abort(self) -> None:
         """Drop the staging folder (idempotent)."""
@@ -192,7 +192,7 @@ class MemoryTier:
     def list(self, *, model_only: bool = False) -> list[Committed]:
         """The committed checkpoints of one kind, oldest first (number = step)."""
         found = checkpoint_numbers(self.root, model_only=model_only)
-        return [Committed(str(f), n, n, model_only) for n, f in sorted(found.items())]
+        return [Committed(str(f), n, n, model_only, f) for n, f in sorted(found.items())]
 
     def _newest(self, ref: Committed | None, model_only: bool) -> Path:
         from fastckpt.errors import MissingStateError
@@ -217,6 +217,16 @@ class MemoryTier:
         folder = self._newest(ref, model_only)
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
             yield CheckpointView(str(folder), handle, folder, read_manifest(handle), tier=self.tier)
+
+    @contextlib.contextmanager
+    def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:
+        """The folder of ``ref`` (None: the newest of its kind) itself, unpinned and unchecked.
+
+        Raises:
+            MissingStateError: nothing committed.
+        """
+        folder = self._newest(ref, model_only)
+        yield CheckpointView(str(folder), folder, folder, tier=self.tier)
 
     def open_shared(self, *, model_only: bool = False, timeout: float = 0.0,
                     what: str = "") -> contextlib.AbstractContextManager[CheckpointView]:

@@ -1,9 +1,9 @@
 """What the public calls do with an ``s3://`` location: pick the checkpoint (explicit, or automatic naming under a
 project prefix), save through a local staging folder and commit remotely, or fetch and load locally.
 
-The public calls (``save_state``, ``load_state``, ``latest_checkpoint``, ``verify_checkpoint``, the CLI) hand a
-callable that does the local work on a folder (or, for a save, the plan to upload from memory); everything about
-the store stays in ``_io``.
+:class:`~fastckpt._io.storage.object.backend.ObjectStorage` (the verbs every public call speaks) and the checkpoint
+manager's remote tier hand a callable that does the local work on a folder (or, for a save, the plan to upload from
+memory); everything about the store stays in ``_io``.
 
 May import: what this sub-package's ``__init__`` lists.
 """
@@ -25,27 +25,12 @@ from fastckpt._io.storage.object.project import (
     object_checkpoint_numbers,
     rotate_object_checkpoints,
 )
-from fastckpt._io.storage.object.store import ObjectUrl, open_store, remote_url
+from fastckpt._io.storage.object.store import ObjectUrl, open_store
 from fastckpt.errors import MissingStateError
 
-__all__ = ["remote_target", "save_remote", "fetched", "opened", "named_as", "pick_remote", "latest_remote"]
+__all__ = ["save_remote", "fetched", "opened", "named_as", "pick_remote", "latest_remote"]
 
 T = TypeVar("T")
-
-
-def remote_target(folder: Any, project_dir: Any, folder_arg: str) -> tuple[ObjectUrl | None, ObjectUrl | None]:
-    """``(checkpoint url, project url)``: each an :class:`ObjectUrl` when given as ``s3://``, else None.
-
-    Raises:
-        ValueError: a URL of a scheme no backend serves, a malformed ``s3://`` URL, or a local folder with an
-            ``s3://`` project (or the reverse with automatic naming: the checkpoint would not be in the project).
-    """
-    url = remote_url(folder, folder_arg)
-    project = remote_url(project_dir, "project_dir")
-    if project is not None and folder is not None and url is None:
-        raise ValueError(f"{folder_arg}={folder!r} is local but project_dir={project_dir!r} is in object storage; "
-                         "pass both in the same storage")
-    return url, project
 
 
 def save_remote(url: ObjectUrl | None, project: ObjectUrl | None, write: Callable[[Path], Any], *,

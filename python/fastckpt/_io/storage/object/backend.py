@@ -23,14 +23,13 @@ from fastckpt._io.storage.local.folder import pinned
 from fastckpt._io.storage.object.api import fetched, opened, pick_remote, save_remote
 from fastckpt._io.storage.object.commit import committed_manifest, delete_checkpoint
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
-from fastckpt._io.storage.object.project import object_checkpoint_numbers, rotate_object_checkpoints
+from fastckpt._io.storage.object.project import object_checkpoints, rotate_object_checkpoints
 from fastckpt._io.storage.object.store import ObjectUrl, open_store, parse_url
 
 __all__ = ["ObjectStorage", "ObjectStagedSave"]
 
 
-def _committed(store: Any, url: ObjectUrl, number: int | None) -> Committed:
-    found = committed_manifest(store, url)
+def _committed(url: ObjectUrl, found: dict[str, Any] | None, number: int | None) -> Committed:
     manifest = {} if found is None else found["manifest"]
     step = manifest.get("step")
     return Committed(str(url), number, step if isinstance(step, int) else None, manifest.get("mode") == "model_only")
@@ -113,10 +112,11 @@ class ObjectStorage:
         """The committed checkpoints of one kind, oldest first; a named checkpoint lists itself when committed."""
         store = self.store
         if self.url is not None:
-            return [_committed(store, self.url, None)] if committed_manifest(store, self.url) is not None else []
+            found = committed_manifest(store, self.url)
+            return [_committed(self.url, found, None)] if found is not None else []
         assert self.project is not None
-        numbers = object_checkpoint_numbers(store, self.project, model_only=model_only, full_only=not model_only)
-        return [_committed(store, numbers[n], n) for n in sorted(numbers)]
+        numbers = object_checkpoints(store, self.project, model_only=model_only, full_only=not model_only)
+        return [_committed(url, found, n) for n, (url, found) in sorted(numbers.items())]
 
     @contextlib.contextmanager
     def open(self, ref: Committed | None = None, *, model_only: bool = False, verify: bool = True,
@@ -129,6 +129,16 @@ class ObjectStorage:
               pinned(folder, verify=False, threads=threads, defer=True) as handle):  # every crc32c already checked
             yield CheckpointView(location=self.location if ref is None else ref.location, folder=handle, path=folder,
                                  tier=self.tier, checked=True)
+
+    @contextlib.contextmanager
+    def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:
+        """The checkpoint read into memory, every object's size and crc32c checked against the manifest as it comes
+        in (``view.copy``: errors and warnings raised inside name the URL, not the copy)."""
+        url = self.url if ref is None else _parse(ref.location)
+        with fetched(url, self.project if url is None else None, model_only=model_only,
+                     storage_options=self.storage_options) as folder:
+            yield CheckpointView(location=self.location if ref is None else ref.location, folder=folder, path=folder,
+                                 tier=self.tier, checked=True, copy=True)
 
     @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:

@@ -15,7 +15,7 @@ from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MODEL_ONLY_DIR
 from fastckpt._io.storage.object.commit import committed_manifest, delete_checkpoint, manifest_numbers
 from fastckpt._io.storage.object.store import ObjectUrl
 
-__all__ = ["object_checkpoint_numbers", "latest_object_checkpoint", "next_object_checkpoint",
+__all__ = ["object_checkpoints", "object_checkpoint_numbers", "latest_object_checkpoint", "next_object_checkpoint",
            "rotate_object_checkpoints"]
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -42,6 +42,24 @@ def object_checkpoint_numbers(store: Any, project: ObjectUrl, *, model_only: boo
             if manifest is None or manifest["manifest"].get("mode") == "model_only":
                 continue
         found[int(m.group(1))] = url
+    return found
+
+
+def object_checkpoints(store: Any, project: ObjectUrl, *, model_only: bool = False,
+                       full_only: bool = False) -> dict[int, tuple[ObjectUrl, dict[str, Any]]]:
+    """``{n: (url, its committed manifest record)}`` of the committed ``checkpoint_n`` of one kind (``full_only``:
+    saved in full): each checkpoint's manifest read once (what ``Storage.list`` reports: step and mode)."""
+    root = _kind_root(project, model_only)
+    found: dict[int, tuple[ObjectUrl, dict[str, Any]]] = {}
+    for key in store.list_dirs(root.prefix):
+        m = _CHECKPOINT_RE.match(key.rstrip("/").rsplit("/", 1)[-1])
+        if not m:
+            continue
+        url = root.child(m.group(0))
+        manifest = committed_manifest(store, url)
+        if manifest is None or (full_only and manifest["manifest"].get("mode") == "model_only"):
+            continue
+        found[int(m.group(1))] = (url, manifest)
     return found
 
 

@@ -85,6 +85,13 @@ class TieredStorage:
             yield view
 
     @contextlib.contextmanager
+    def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:
+        """The local tier's files when it holds a committed checkpoint (or ``ref``), else the remote tier's copy."""
+        tier = self.local if ref is not None or self.local.list(model_only=model_only) else self.remote
+        with tier.as_local(ref, model_only=model_only) as view:
+            yield view
+
+    @contextlib.contextmanager
     def open_shared(self, *, model_only: bool = False, timeout: float, what: str) -> Iterator[CheckpointView]:
         """The local tier's :meth:`open_shared` (a sharded save is never tiered)."""
         with self.local.open_shared(model_only=model_only, timeout=timeout, what=what) as view:
