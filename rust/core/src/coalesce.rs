@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 
 use crate::error::{Error, Result};
 use crate::pool;
-use crate::readahead::{looks_cached, with_readahead};
+use crate::readahead::{cached, with_readahead};
 use crate::reader::SafetensorsFile;
 
 /// The largest coalesced read (bytes) when nothing is summed.
@@ -110,6 +110,12 @@ pub(crate) fn preadv_exact(
     Ok(())
 }
 
+/// Whether the pages at one to four fifths of `len` bytes of `file` at `start` are in the page cache (the first
+/// pages prove nothing: opening the file read its header, and readahead brought the pages after it).
+fn sampled_cached(file: &File, start: u64, len: u64) -> bool {
+    len == 0 || (1..5).all(|k| cached(file, start + len * k / 5))
+}
+
 impl SafetensorsFile {
     /// Fill `buf` with the file's bytes `[start, start + buf.len())`: [`BLOCK`]-sized positional reads by
     /// `threads` workers (0: [`IO_THREADS`] when the range does not look cached, else min(8, cores)), in file
@@ -118,7 +124,7 @@ impl SafetensorsFile {
         let file = self.handle("read_span_into")?;
         let len = buf.len() as u64;
         let threads = match threads {
-            0 if len > 0 && !looks_cached(&file, start, len) => IO_THREADS,
+            0 if !sampled_cached(&file, start, len) => IO_THREADS,
             n => pool::resolve_threads(n),
         };
         let blocks: Vec<std::sync::Mutex<Option<&mut [u8]>>> = buf
@@ -151,14 +157,15 @@ impl SafetensorsFile {
         Ok(())
     }
 
-    /// Whether the data section looks like it is in the page cache (its start and middle pages are; an empty
-    /// data section or a closed file counts as cached: there is nothing to read ahead).
+    /// Whether the data section looks like it is in the page cache: pages at a fifth, two, three and four
+    /// fifths of it are (its first pages prove nothing: reading the header pulls them in by readahead). An empty
+    /// data section or a closed file counts as cached: there is nothing to read ahead.
     pub fn data_looks_cached(&self) -> bool {
         let Ok(file) = self.handle("data_looks_cached") else {
             return true;
         };
-        let len = self.file_size().saturating_sub(self.data_start());
-        len == 0 || looks_cached(&file, self.data_start(), len)
+        let start = self.data_start();
+        sampled_cached(&file, start, self.file_size().saturating_sub(start))
     }
 
     /// `preadv_exact` of one run of pieces, a short file as [`Error::Truncated`] naming `what(piece)`.
