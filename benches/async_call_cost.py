@@ -3,7 +3,9 @@
 The issue's model: 8 ``nn.Linear(2048, 2048)`` and its AdamW after one step (a 403 MB state: 134 MB of
 parameters, twice that of Adam moments). Per round, alternated (order rotated by one each round): ``memcpy``
 (every tensor of the state copied once into preallocated memory, as a snapshot does), and the call of each mode
-(``True``: hash at the call; ``"stream"``: no hash; ``"snapshot"``: a copy into the reused pool). Each save is
+(``True``: write guards where the kernel allows them, see ``fastckpt._io.async_save.write_guard``; ``True`` with the
+guards off: every streamed tensor hashed at the call, the fallback; ``"stream"``: neither; ``"snapshot"``: a copy
+into the reused pool). Each save is
 waited for outside the timed call. Printed: medians over rounds of the call's seconds and of per-round ratios to
 the same round's memcpy.
 
@@ -15,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -30,6 +33,7 @@ from torch import nn  # noqa: E402
 
 import fastckpt  # noqa: E402
 from benches._measure import machine_description  # noqa: E402
+from fastckpt._io.async_save import write_guard  # noqa: E402
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -60,18 +64,23 @@ def main() -> None:
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="fastckpt-call-cost-"))
 
-    def call(mode: object) -> float:
+    def call(mode: object, guards: bool = True) -> float:
+        write_guard.ENABLED = guards
         start = time.perf_counter()
         handle = fastckpt.save_state(model, opt, output_dir=root / str(mode), async_save=mode, durable=False,
                                      threads=args.threads)
         seconds = time.perf_counter() - start
         handle.wait()
+        write_guard.ENABLED = True
         return seconds
 
-    contenders = {"memcpy": memcpy, "async_save=True (hash)": lambda: call(True),
+    guarded = write_guard.WriteGuard.open()
+    if guarded is not None:
+        guarded.close()
+    contenders = {"memcpy": memcpy, "async_save=True": lambda: call(True),
+                  "async_save=True, guards off (hash at the call)": lambda: call(True, guards=False),
                   'async_save="stream"': lambda: call("stream"), 'async_save="snapshot"': lambda: call("snapshot")}
-    for fn in contenders.values():  # warm-up: pool allocated, pages faulted
-        fn()
+    first = {n: fn() for n, fn in contenders.items()}  # warm-up: pool allocated, pages faulted, huge pages asked for
     names = list(contenders)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -82,7 +91,12 @@ def main() -> None:
     print("|---|---|---|")
     for n in names:
         ratio = statistics.median(a / b for a, b in zip(seconds[n], seconds["memcpy"]))
-        print(f"| {n} | {statistics.median(seconds[n]):.4f} | {ratio:.2f}x |")
+        print(f"| {n} | {statistics.median(seconds[n]):.4f} | {ratio:.3f}x |")
+    print(f"- the warm-up's first async_save=True (the state's 4 KiB pages, before the first save's guards asked "
+          f"the kernel for huge pages): {first['async_save=True']:.4f} s = "
+          f"{first['async_save=True'] / first['memcpy']:.3f}x the warm-up's memcpy")
+    print(f"- write guards: {'on' if guarded is not None else 'unavailable (' + str(write_guard._refused) + ')'}; "
+          f"load average after the run {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

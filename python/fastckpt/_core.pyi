@@ -18,7 +18,8 @@ from typing_extensions import Buffer
 
 __all__ = [
     "MAX_DCP_METADATA_BYTES", "MAX_DCP_RANK", "MAX_HEADER_BYTES", "MAX_INDEX_BYTES", "ObjectStore",
-    "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_tensors",
+    "SafetensorsFile", "WriteProgress", "checksum_files", "commit_dir", "crc32c", "hash_files", "hash_pieces",
+    "hash_tensors",
     "parse_header", "serialize", "write_assembled", "write_file", "write_files", "write_files_checked",
 ]
 
@@ -197,6 +198,15 @@ def hash_tensors(tensors: Iterable[_TensorSource], *, threads: int = 0) -> list[
     same value :func:`write_files_checked` reports. Blocks are hashed in parallel, GIL released.
 
     Raises as :func:`write_file`, less OSError.
+    """
+
+def hash_pieces(tensors: Sequence[Sequence[Buffer]], *, threads: int = 0) -> list[str]:
+    """The content hash (as :func:`hash_tensors`: 32 hex digits) of each tensor whose bytes are the concatenation
+    of its C-contiguous buffers, in order; blocks of every tensor in parallel, GIL released. An async save hashes a
+    live tensor whose first and last bytes come from copies made at the call this way.
+
+    Raises:
+        ValueError: a buffer that is not C-contiguous.
     """
 
 def hash_files(

@@ -19,6 +19,7 @@ all-reduce's summation order; with 2 processes the sum of two values does not de
 - durable_only: every memory tier deleted: every rank restores from the local durable tier.
 - continuous: ``continuous=True``: the main process proposes each save through the store when the previous one is
   durable; every rank must save at the same steps.
+- fsdp_memory / fsdp_damaged / fsdp_lost: FSDP2 states in the memory tier (tests/helpers/mp_fsdp_manager.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fastckpt
+from helpers.mp_fsdp_manager import fsdp_scenarios
 from helpers.recovery_loop import Counter, DataOrder, fingerprint, seed_globals, train_step
 
 OUT = Path(sys.argv[1])
@@ -178,6 +180,7 @@ def main() -> None:
     try:
         scenarios(rank, world)
         continuous(rank)
+        fsdp_scenarios(OUT, rank, world, checks)
         checks["crash"] = None
     except BaseException:
         checks["crash"] = traceback.format_exc()[-4000:]

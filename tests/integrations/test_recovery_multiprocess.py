@@ -73,3 +73,34 @@ def test_continuous_saves_are_agreed(run):
     saved = [res["continuous_saved"] for res in results]
     # proposed by the main process at the step after a save was durable, for the next step: every other step
     assert saved == [[2, 4, 6, 8]] * world
+
+
+def test_fsdp_local_shards_restore_from_memory_bit_exact(run):
+    world, out, results = run
+    for r, res in enumerate(results):
+        assert res["fsdp_memory_restart"] == [4, "memory"] and res["fsdp_memory_warnings"] == []
+        assert res["fsdp_memory_local_equal"] is True  # every local shard and optimizer state, as saved
+        assert res["fsdp_memory_equal"] is True  # trained on: the one-process reference, bit for bit
+        assert res["fsdp_memory_files"] == sorted(["fastckpt.json", "optimizer.json", "scheduler.json",
+                                                   f"model.local_rank{r}.safetensors",
+                                                   f"optimizer.local_rank{r}.safetensors",
+                                                   f"random_states_{r}.safetensors"])
+        assert res["fsdp_memory_durable_sharded"] is True  # the durable tier: a normal sharded checkpoint
+
+
+def test_fsdp_damaged_memory_shard_falls_back_to_the_durable_tier(run):
+    world, out, results = run
+    assert [res["fsdp_damaged_restart"] for res in results] == [[4, "local"]] * world
+    warned = results[0]["fsdp_damaged_warnings"]
+    assert len(warned) == 1 and warned[0].startswith("TierSkippedWarning") and "memory tier" in warned[0]
+    assert "mem0" in warned[0] and "IntegrityError" in warned[0]
+    assert all(res["fsdp_damaged_warnings"] == [] for res in results[1:])
+    assert all(res["fsdp_damaged_local_equal"] is True and res["fsdp_damaged_equal"] is True for res in results)
+
+
+def test_fsdp_lost_node_restores_its_local_shards_from_a_peer_replica(run):
+    world, out, results = run
+    assert [res["fsdp_lost_restart"] for res in results] == [[4, "peer" if r == 1 else "memory"]
+                                                              for r in range(world)]
+    assert all(res["fsdp_lost_warnings"] == [] for res in results)
+    assert all(res["fsdp_lost_local_equal"] is True and res["fsdp_lost_equal"] is True for res in results)

@@ -142,3 +142,16 @@ def test_clear_removes_only_what_the_tier_wrote(tmp_path):
     save.commit()
     own.clear()
     assert not own.root.exists()  # a tier folder of its own goes whole
+
+
+def test_pruned_snapshot_stops_counting_at_the_commit_and_is_freed_in_the_background(tmp_path):
+    tier = MemoryTier(tmp_path / "mem")
+    for step in (1, 2):
+        save = tier.begin(step=step)
+        save.write(plan(step))
+        save.commit()
+        assert [c.step for c in tier.list()] == [step] and visible(tier) == [f"checkpoint_{step}"]
+    tier.drain()  # the removal of checkpoint_1 (renamed to a trash name at the commit) is done
+    assert sorted(os.listdir(tier.folder)) == ["checkpoint_2"]
+    tier.clear()
+    assert not tier.root.exists()

@@ -40,6 +40,7 @@ from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
 from fastckpt.manager.replicas import Replicator
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
 from fastckpt.manager.schedule import Schedule
+from fastckpt.manager.sharded import save_step
 from fastckpt.manager.state import Registered, build_plan, gather_rank_states
 
 __all__ = ["CheckpointManager"]
@@ -109,9 +110,9 @@ class CheckpointManager:
             raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to checkpoint")
         from fastckpt._state.sharded import is_sharded
 
-        if is_sharded(self.models):
-            raise ValueError("CheckpointManager manages replicated (DDP-style) states; sharded (FSDP2 / DTensor) "
-                             "models are not supported yet: save them with fastckpt.save_state on every rank")
+        if (sharded := is_sharded(self.models)) and remote is not None:  # FSDP2 / DTensor: manager/sharded.py
+            raise ValueError("remote= is not supported for sharded (FSDP2 / DTensor) models yet; pass remote=None")
+        self.sharded = sharded
         self.optimizers = checked_list(optimizer, "optimizer")
         self.schedulers = checked_list(scheduler, "scheduler")
         self.objects: list[Registered] = []
@@ -143,7 +144,7 @@ class CheckpointManager:
         self.memory: MemoryTier | None = None if root is None else MemoryTier(root).claim()  # one run per tier
         _managers += 1  # every option checked: the same sequence on every rank
         self.durable = None
-        if self.memory is not None and self.rank == 0:
+        if self.memory is not None and self.rank == 0 and not self.sharded:  # sharded: written in step()
             self.durable = DurableWriter(self.memory, self.project, keep=keep, remote=self.remote,
                                          storage_options=storage_options)
         self.group = None
@@ -335,11 +336,11 @@ class CheckpointManager:
         if self.replicator is not None:
             self.replicator.wait()
         states = gather_rank_states(step, self.objects, self.timeout)
-        plan = build_plan(*self._state, step=step, rank_states=states)
-        if self.memory is None:
-            path = self._save_durably(plan, step)
+        if self.sharded:  # local shards in memory, then the durable sharded checkpoint (every rank)
+            path = save_step(self, states, step)
         else:
-            path = self._save_memory(plan, step)
+            plan = build_plan(*self._state, step=step, rank_states=states)
+            path = (self._save_durably if self.memory is None else self._save_memory)(plan, step)
         self.last_saved = step
         self.schedule.saved(step, clock, time.perf_counter() - started)
         return path
@@ -386,7 +387,7 @@ class CheckpointManager:
         if self.last_saved != step:
             self.save_now(step)
         path = self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"
-        if self.memory is not None:
+        if self.memory is not None and not self.sharded:  # a sharded save is durable when save_now returns
             def wait() -> Path:
                 assert self.durable is not None
                 self.durable.wait(step)

@@ -31,6 +31,7 @@ from fastckpt._io.storage.local.integrity import verify_checkpoint
 from fastckpt._io.storage.local.numbering import checkpoint_numbers
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt._io.storage.peer import exchange, replica_sources, replica_tier
+from fastckpt._state.sharded import is_sharded
 from fastckpt.errors import (
     CheckpointChangedError,
     CheckpointError,
@@ -39,7 +40,8 @@ from fastckpt.errors import (
     MissingStateError,
     TierSkippedWarning,
 )
-from fastckpt.manager.state import plan_restore
+from fastckpt.manager.sharded import plan_local_restore, snapshot_world
+from fastckpt.manager.state import plan_restore, read_objects
 
 __all__ = ["Candidate", "restore_single", "restore_multi", "TIERS"]
 
@@ -104,10 +106,12 @@ def opened(c: Candidate, storage_options: Any) -> Any:
         yield f
 
 
-def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, storage_options: Any) -> Any:
-    """Phase 1 from ``c``: every byte it reads checked; returns the load plan (nothing live changed)."""
+def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, storage_options: Any,
+                 verify: bool = True) -> Any:
+    """Phase 1 from ``c``: every byte it reads checked (``verify=False``: ``c`` was checked whole by this process
+    already); returns the load plan (nothing live changed)."""
     with opened(c, storage_options) as folder:
-        with pinned(folder, verify=True, threads=threads, defer=True) as handle:
+        with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
             plan = plan_restore(handle, *objects, rank=rank)
     return plan
 
@@ -137,11 +141,14 @@ def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None]) -
 
 
 def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, *, rank: int,
-           threads: int) -> dict[str, Any]:
+           threads: int, world: int = 1) -> dict[str, Any]:
     """What this process can restore from: ``{"memory": step|None, "held": {src: step}, "local": [steps visible],
     "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c), the durable
     tiers only listed (rank 0 checks the one :func:`decide` needs)."""
     def check(c: Candidate) -> None:
+        saved = snapshot_world(c.folder)  # a rank's local shards (FSDP2): this world size only
+        if saved is not None and saved != world:
+            raise MissingStateError(f"a snapshot of local shards saved by {saved} processes, this run has {world}")
         verify_checkpoint(c.folder, threads=threads)
 
     own = None if memory is None else _newest_intact(local_candidates(memory, None), check)
@@ -159,10 +166,11 @@ def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_option
             "remote": None if rc is None else [rc.step, rc.location]}
 
 
-def decide(reports: list[dict[str, Any]], project: Path, *, threads: int) -> dict[str, Any]:
+def decide(reports: list[dict[str, Any]], project: Path, *, threads: int, together: bool = False) -> dict[str, Any]:
     """The newest step every rank can restore and each rank's source (run on rank 0); a durable checkpoint is
     checked (crc32c) only when the step needs it, so a restore from memory and replicas never reads the durable
-    tier."""
+    tier. ``together`` (sharded states): a step some rank restores from the durable tier is restored from it by
+    every rank (a sharded load is one collective)."""
     remote = reports[0]["remote"]
     durable_ok: dict[int, bool] = {}
 
@@ -197,6 +205,14 @@ def decide(reports: list[dict[str, Any]], project: Path, *, threads: int) -> dic
             else:
                 break
         else:
+            kinds = {src[0] for src in sources}
+            if together and kinds & {"local", "remote"} and len(kinds) > 1:
+                if s in reports[0]["local"] and durable(s):
+                    sources = [["local"]] * len(reports)
+                elif remote is not None and s == remote[0]:
+                    sources = [["remote", remote[1]]] * len(reports)
+                else:
+                    continue
             return {"step": s, "sources": sources}
     return {"step": None, "sources": []}
 
@@ -206,9 +222,11 @@ def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage
     """The agreed restore of several processes (see the module docs); returns this rank's source and plan."""
     session = Session("CheckpointManager.restore", timeout)
     rank = session.rank
-    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads)
+    sharded = is_sharded(objects[0])
+    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads, world=session.world)
     reports = session.gather(report, step="survey")
-    choice = session.broadcast(decide(reports, project, threads=threads) if rank == 0 else None, step="decide")
+    choice = session.broadcast(decide(reports, project, threads=threads, together=sharded) if rank == 0 else None,
+                               step="decide")
     if choice["step"] is None:
         return None, None
     step = choice["step"]
@@ -231,18 +249,51 @@ def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage
              "local": project / "checkpoints" / f"checkpoint_{step}"}
     c = Candidate(step, mine[0], mine[1] if mine[0] == "remote" else str(where[mine[0]]),
                   None if mine[0] == "remote" else where[mine[0]])
+    if sharded and c.tier in ("local", "remote"):  # every rank (decide: together): one collective sharded load
+        plan = durable_sharded(c, objects, session, failed=error, threads=threads)
+        plan.apply()
+        return c, plan
     plan = None
     if error is None:
         try:
-            plan = read_checked(c, objects, rank=rank, threads=threads, storage_options=storage_options)
+            # the own memory tier was summed whole by survey() in this process, and only this process writes it
+            # (MemoryTier.claim): not summed twice; a replica received from a peer or a durable one is summed here
+            verify = c.tier != "memory"
+            if sharded:
+                with pinned(c.folder, verify=verify, threads=threads, defer=True) as handle:
+                    plan = plan_local_restore(handle, *objects, rank=rank, world=session.world, threads=threads)
+            else:
+                plan = read_checked(c, objects, rank=rank, threads=threads, storage_options=storage_options,
+                                    verify=verify)
         except Exception as exc:  # noqa: BLE001 - every rank raises below
             error = exc
     if error is not None and not isinstance(error, CheckpointError):
         error = CheckpointError(f"restoring step {step} from the {c.tier} tier at {c.location}: "
                                 f"{type(error).__name__}: {error}")
     session.agree(error, step="checked")
-    plan.apply(threads=threads)
+    if sharded:
+        plan.apply()
+    else:
+        plan.apply(threads=threads)
     return c, plan
+
+
+def durable_sharded(c: Candidate, objects: tuple, session: Session, *, failed: BaseException | None,
+                    threads: int) -> Any:
+    """Phase 1 of every rank's sharded load of the durable checkpoint ``c`` (DCP reshards; ``failed``: this
+    rank's error so far, reported to every rank in the load's one validation round)."""
+    from fastckpt._plan.sharded_load import plan_sharded_load
+    from fastckpt.checkpoint_sharded import dcp_storage_reader
+
+    assert c.folder is not None, "remote= is refused for sharded states"
+    models, optimizers, schedulers, registered = objects
+
+    def extra(load: Any) -> None:
+        load.objects += read_objects(c.folder, registered, rank=session.rank)
+
+    return plan_sharded_load(c.folder, models, optimizers, schedulers, model_only=False, strict=True,
+                             session=session, reader_factory=dcp_storage_reader, rng_rank=session.rank, extra=extra,
+                             failed=failed, verify=True, threads=threads)
 
 
 def log_restore(c: Candidate | None, started: float) -> None:

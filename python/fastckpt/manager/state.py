@@ -33,7 +33,8 @@ from fastckpt._state.rng import rng_payload
 from fastckpt._state.state_check import check_state_like
 from fastckpt.errors import KeyMismatchError, MissingStateError
 
-__all__ = ["Registered", "gather_rank_states", "build_plan", "plan_restore", "custom_name"]
+__all__ = ["Registered", "gather_rank_states", "build_plan", "plan_restore", "read_objects", "add_objects",
+           "custom_name"]
 
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)(?:_rank\d+)?\.safetensors$")
 
@@ -91,6 +92,16 @@ def build_plan(models: list, optimizers: list, schedulers: list, objects: list[R
     plan = build_save_plan(models, optimizers, schedulers, model_only=False, step=step,
                            rng_states=[rng for rng, _ in rank_states])
     plan.counts["processes"] = len(rank_states)
+    add_objects(plan, objects, rank_states)
+    return plan
+
+
+def add_objects(plan: SavePlan, objects: list[Registered], rank_states: list[tuple[Any, dict]]) -> None:
+    """Add the registered objects' files to ``plan`` (a per-rank object once per process, from ``rank_states``).
+
+    Raises:
+        TypeError: a state value that cannot be stored without pickle (names its path).
+    """
     plan.counts["custom_objects"] = len(objects)
     for i, reg in enumerate(objects):
         if reg.per_rank:
@@ -98,7 +109,6 @@ def build_plan(models: list, optimizers: list, schedulers: list, objects: list[R
                 plan.parts.append(FilePart(custom_name(i, r), *objs[i]))
         else:
             plan.parts.append(FilePart(custom_name(i), *_payload(reg.obj, f"custom_checkpoint_{i}")))
-    return plan
 
 
 def plan_restore(folder: Path, models: list, optimizers: list, schedulers: list, objects: list, *,
@@ -110,6 +120,17 @@ def plan_restore(folder: Path, models: list, optimizers: list, schedulers: list,
             anything :func:`fastckpt.load_state` raises (IntegrityError for damaged bytes, ...).
     """
     load = plan_load(folder, models, optimizers, schedulers, strict=True, rank=rank)
+    load.objects += read_objects(folder, objects, rank=rank)
+    return load
+
+
+def read_objects(folder: Path, objects: list, *, rank: int) -> list[tuple[Any, Any]]:
+    """The registered objects' saved states in ``folder``, checked against the live ones: ``[(obj, state)]``.
+
+    Raises:
+        MissingStateError / KeyMismatchError: the registered objects differ in number or kind from the saved ones.
+    """
+    out = []
     saved = len({m.group(1) for e in folder.iterdir() if (m := _CUSTOM.match(e.name))})
     if saved != len(objects):
         cls = MissingStateError if len(objects) > saved else KeyMismatchError
@@ -123,5 +144,5 @@ def plan_restore(folder: Path, models: list, optimizers: list, schedulers: list,
                                     "per_rank, or saved by fewer processes). Nothing was changed.")
         state = read_object_state(open_safetensors(folder / name))
         check_state_like(state, reg.obj.state_dict(), path=folder / name, what=f"registered object {i}")
-        load.objects.append((reg.obj, state))
-    return load
+        out.append((reg.obj, state))
+    return out

@@ -97,6 +97,58 @@ pub fn hash_sources(sources: &[TensorSource<'_>], threads: usize) -> Result<Vec<
         .collect())
 }
 
+/// The hash of each tensor whose bytes are the concatenation of its `pieces` (in order), as [`hash_bytes`] of the
+/// joined bytes would give, without joining them: a block inside one piece is hashed in place, a block spanning
+/// pieces is gathered. Blocks of all tensors in parallel on `threads` workers (0 = min(8, cores)). An async save
+/// uses it to hash a live tensor whose first and last bytes are taken from copies made at the call.
+pub fn hash_pieces(tensors: &[Vec<&[u8]>], threads: usize) -> Result<Vec<u128>> {
+    let sizes: Vec<u64> = tensors
+        .iter()
+        .map(|p| p.iter().map(|b| b.len() as u64).sum())
+        .collect();
+    let mut first = vec![0usize];
+    for &n in &sizes {
+        first.push(first[first.len() - 1] + block_count(n) as usize);
+    }
+    let total = first[tensors.len()];
+    let blocks: Vec<OnceLock<u128>> = (0..total).map(|_| OnceLock::new()).collect();
+    pool::run::<Vec<u8>, _>(threads, total, None, |scratch, k| {
+        let t = first.partition_point(|&c| c <= k) - 1;
+        let start = (k - first[t]) as u64 * HASH_BLOCK;
+        let end = (start + HASH_BLOCK).min(sizes[t]);
+        let h = pieces_block(&tensors[t], start, end, scratch);
+        blocks[k].set(h).expect("each block once");
+        Ok(())
+    })?;
+    let blocks: Vec<u128> = blocks
+        .into_iter()
+        .map(|b| b.into_inner().unwrap_or_default())
+        .collect();
+    Ok((0..tensors.len())
+        .map(|t| combine(&blocks[first[t]..first[t + 1]], sizes[t]))
+        .collect())
+}
+
+/// The hash of bytes `[start, end)` of the concatenation of `pieces`.
+fn pieces_block(pieces: &[&[u8]], start: u64, end: u64, scratch: &mut Vec<u8>) -> u128 {
+    let mut at = 0u64;
+    scratch.clear();
+    for piece in pieces {
+        let (lo, hi) = (at, at + piece.len() as u64);
+        at = hi;
+        if hi <= start || lo >= end {
+            continue;
+        }
+        let a = (start.max(lo) - lo) as usize;
+        let b = (end.min(hi) - lo) as usize;
+        if lo <= start && hi >= end {
+            return block_hash(&piece[a..b]); // the whole block is in this piece
+        }
+        scratch.extend_from_slice(&piece[a..b]);
+    }
+    block_hash(scratch)
+}
+
 /// One file's tensors, hashed from disk: `(name, hash)` in offset order, or the header's error.
 pub type FileHashes = std::result::Result<Vec<(String, u128)>, Error>;
 
@@ -181,3 +233,7 @@ pub fn hash_files(paths: &[PathBuf], threads: usize) -> Result<Vec<FileHashes>> 
         })
         .collect())
 }
+
+#[cfg(test)]
+#[path = "content_hash_tests.rs"]
+mod tests;

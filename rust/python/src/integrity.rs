@@ -1,5 +1,6 @@
 //! Checksums for `verify`: `checksum_files` (parallel crc32c of files on disk, GIL released) and `crc32c` (of
-//! one in-memory buffer, for the small JSON files of a checkpoint).
+//! one in-memory buffer, for the small JSON files of a checkpoint), `hash_pieces` (content hashes of tensors held in
+//! several buffers).
 
 use std::path::PathBuf;
 use std::ptr::NonNull;
@@ -89,4 +90,47 @@ pub fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>, value: u32) -> PyResult<u
     // with the GIL released). A zero length uses a dangling, aligned pointer.
     let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) };
     Ok(py.detach(|| fastckpt_core::checksum::crc32c_append(value, bytes)))
+}
+
+/// The content hash (32 hex digits) of each tensor whose bytes are the concatenation of its buffers; see
+/// `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (tensors, *, threads = 0))]
+pub fn hash_pieces(
+    py: Python<'_>,
+    tensors: Vec<Vec<Bound<'_, PyAny>>>,
+    threads: usize,
+) -> PyResult<Vec<String>> {
+    let mut held = Vec::with_capacity(tensors.len());
+    for pieces in &tensors {
+        let mut bufs = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let buf = PyUntypedBuffer::get(p)?;
+            if !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err("hash_pieces needs C-contiguous buffers"));
+            }
+            bufs.push(buf);
+        }
+        held.push(bufs);
+    }
+    let slices: Vec<Vec<&[u8]>> = held
+        .iter()
+        .map(|bufs| {
+            bufs.iter()
+                .map(|buf| {
+                    let len = buf.len_bytes();
+                    let ptr = NonNull::new(buf.buf_ptr().cast::<u8>())
+                        .filter(|_| len > 0)
+                        .unwrap_or(NonNull::dangling());
+                    // SAFETY: as in `crc32c`: the buffer is exported (held in `held` for this whole call) and
+                    // C-contiguous; a zero length uses a dangling, aligned pointer.
+                    unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) }
+                })
+                .collect()
+        })
+        .collect();
+    let hashes = py
+        .detach(|| fastckpt_core::content_hash::hash_pieces(&slices, threads))
+        .map_err(to_py)?;
+    Ok(hashes.into_iter().map(|h| format!("{h:032x}")).collect())
 }

@@ -1,6 +1,6 @@
 //! `fastckpt._core`: thin PyO3 bindings over `fastckpt-core`. Each file holds one Python-facing concern:
 //! errors (mapping), write (write_file, write_files, write_files_checked, serialize), read (SafetensorsFile,
-//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c), assemble (write_assembled), limits
+//! parse_header), progress (WriteProgress), commit, integrity (checksum_files, crc32c, hash_pieces), assemble (write_assembled), limits
 //! (the readers' limits), store (ObjectStore: s3:// buckets, over `fastckpt-store`).
 #![deny(clippy::undocumented_unsafe_blocks)]
 
@@ -24,7 +24,7 @@ mod _core {
     #[pymodule_export]
     use super::commit::commit_dir;
     #[pymodule_export]
-    use super::integrity::{checksum_files, crc32c, hash_files};
+    use super::integrity::{checksum_files, crc32c, hash_files, hash_pieces};
     #[pymodule_export]
     use super::progress::WriteProgress;
     #[pymodule_export]

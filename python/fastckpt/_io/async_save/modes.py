@@ -2,8 +2,9 @@
 or raises (and commits nothing), within the limit stated for ``"stream"``.
 
 - ``True`` (the default async mode): on the CPU, a streaming save (:mod:`fastckpt._io.async_save.stream`) whose call
-  also hashes every streamed tensor (:mod:`fastckpt._io.async_save.call_hashes`); any change after the call, tracked by
-  torch or not (``p.data``, ``.numpy()`` views, other threads), fails the save with
+  also pins every streamed tensor (:mod:`fastckpt._io.async_save.call_hashes`): write-protects its pages where the
+  kernel allows (:mod:`fastckpt._io.async_save.write_guard`), else hashes it; any change after the call, tracked by
+  torch or not (``p.data``, ``.numpy()`` views, other threads, syscalls), fails the save with
   :class:`~fastckpt.errors.ConcurrentModificationError`. With CUDA tensors, a snapshot: the device-to-host
   copies are only enqueued on a side stream, and the caller's stream waits for them on the device, so every
   later kernel on it (``p.data.mul_`` included) runs after the copies (the host is not blocked).

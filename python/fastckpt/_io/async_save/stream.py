@@ -30,8 +30,8 @@ nothing is committed and the previous checkpoint stays. (The check is conservati
 written but before its step also fails the save. An in-place op running on another thread at the very moment the
 last chunk of its tensor is written may finish its version bump after the check; do not change saved tensors from
 other threads while a save runs.) Writes no version counter sees (``p.data``, ``.numpy()`` views) are caught only
-with ``hash_at_call`` (``async_save=True``): the content hashes taken at the call must match the bytes written
-(:mod:`fastckpt._io.async_save.call_hashes`).
+with ``hash_at_call`` (``async_save=True``): the write guards or content hashes taken at the call must prove the
+bytes written are the call's (:mod:`fastckpt._io.async_save.call_hashes`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from fastckpt._io.async_save.call_hashes import call_hashes, check_written
+from fastckpt._io.async_save.call_hashes import CallProof, check_written
 from fastckpt._io.async_save.cancel import CancelToken
 from fastckpt._io.async_save.host_pool import HostBufferPool, Slot, aligned
 from fastckpt._io.async_save.snapshot import _check
@@ -166,7 +166,7 @@ class StreamingSave:
                     sizes.append(nbytes)
                 parts.append(dataclasses.replace(part, tensors=tensors))
         self.plan = dataclasses.replace(plan, parts=parts)
-        self.call_hashes = call_hashes(self.deferred) if hash_at_call else None
+        self.proof = CallProof(self.deferred, target) if hash_at_call else None
         self.streamed_bytes = sum(d.nbytes for d in self.deferred)
         self.budget = self.streamed_bytes if budget is None else min(budget, self.streamed_bytes)
         self.on_cuda = bool(self._device_copies) or any(d.tensor.device.type == "cuda" for d in self.deferred)
@@ -213,6 +213,8 @@ class StreamingSave:
                         torch.cuda.current_stream(device).wait_event(event)
                 else:
                     self._take_over(mine)
+                if self.proof is not None:
+                    self.proof.settle(mine)
                 self._check(mine)
             except BaseException as exc:  # kept for wait(); training goes on
                 self._fail(exc)
@@ -240,6 +242,8 @@ class StreamingSave:
                 assert self._slot is not None and self._slot.buffer is not None
                 view = self._slot.buffer[self._used : self._used + d.nbytes]
                 view.view(d.tensor.dtype).view(d.tensor.shape).copy_(d.tensor)
+                if self.proof is not None:  # a guarded tensor's copy takes the call's end bytes
+                    self.proof.patch_copy(d, view.numpy())
                 self._used += aligned(d.nbytes)
                 self.progress.provide(i, view.numpy())
         if rest:
@@ -300,11 +304,14 @@ class StreamingSave:
             if self._error is None:
                 try:
                     unsafe = [d for d in self.deferred if not d.safe]
+                    if self.proof is not None:
+                        self.proof.settle(unsafe)
                     self._check(unsafe)
-                    if checksums is not None and self.call_hashes is not None:
-                        check_written(self.target, self.call_hashes, checksums)
-                    if checksums is not None:
-                        self._check_written(unsafe, checksums)
+                    if checksums is not None and self.proof is not None:
+                        check_written(self.target, self.proof.hashes, checksums)
+                    if checksums is not None:  # a guarded tensor has no gap between hashing and writing
+                        guarded = {} if self.proof is None else self.proof.guarded
+                        self._check_written([d for d in unsafe if d.id not in guarded], checksums)
                 except ConcurrentModificationError as exc:
                     self._error = exc
             for d in self.deferred:
@@ -328,6 +335,8 @@ class StreamingSave:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.proof is not None:
+            self.proof.close()
         if self.snapshot is not None:
             self._pool.release(self.snapshot.slot)
         if self._slot is not None:

@@ -140,6 +140,7 @@ class MemoryTier:
         self.keep = keep
         self._held: dict[int, int] = {}
         self._lock = threading.Lock()  # hold / release / prune from the manager's threads
+        self._reapers: list[threading.Thread] = []  # background removals of pruned checkpoints
 
     def claim(self) -> MemoryTier:
         """Make this process the tier's only writer: an exclusive ``flock`` on ``.{root name}.owner`` beside
@@ -271,13 +272,37 @@ class MemoryTier:
         with self._lock:
             numbers = checkpoint_numbers(self.root, model_only=model_only)
             newest = set(sorted(numbers)[-self.keep:]) | ({keep} if keep is not None else set()) | set(self._held)
-            remove_folders([f for n, f in numbers.items() if n not in newest])
+            self._remove_later([f for n, f in numbers.items() if n not in newest])
+
+    def _remove_later(self, folders: list[Path]) -> None:
+        """Rename each folder to an owned trash name now (it stops counting at once), free its pages in a thread
+        (the unlinks were a sixth of a manager's save in ``step()``); call with ``self._lock`` held."""
+        owners: list[OwnedPath] = []
+        try:
+            for folder in folders:
+                owners.append(OwnedPath(folder.parent, folder.name, "trash"))
+                os.rename(folder, owners[-1].path)
+        except BaseException:
+            _release_all(owners)
+            raise
+        if owners:  # cut short by the end of the process: a dead owner's trash, which the next save removes
+            thread = threading.Thread(target=_release_all, args=(owners,), name="fastckpt-memory-prune", daemon=True)
+            thread.start()
+            self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
+
+    def drain(self) -> None:
+        """Wait until the checkpoints :meth:`prune` removed are gone from memory."""
+        with self._lock:
+            reapers, self._reapers = self._reapers, []
+        for thread in reapers:
+            thread.join()
 
     def clear(self) -> None:
         """Remove what the tier wrote: its checkpoints and their leftovers in ``{root}/checkpoints``, the replicas it
         holds for other ranks (``{root}/replicas/rank{r}``, tiers of this same layout), then each of these folders
         and ``root`` itself once empty. Nothing else is touched: ``root`` may be a folder the user named
         (``memory="/scratch/me"``) holding files of its own."""
+        self.drain()
         replicas = self.root / REPLICAS_DIR
         tiers = [self.root]
         if replicas.is_dir() and not replicas.is_symlink():
@@ -304,6 +329,12 @@ _OWN = re.compile(r"^(checkpoint_\d+|\.checkpoint_\d+\.fastckpt-(staging|trash)-
 #: the replicas a tier holds for other ranks (``fastckpt._io.storage.peer``: ``{root}/replicas/rank{r}``)
 REPLICAS_DIR = "replicas"
 _RANK = re.compile(r"^rank\d+$")
+
+
+def _release_all(owners: list[OwnedPath]) -> None:
+    for owner in owners:
+        with contextlib.suppress(OSError):  # what is left is a dead owner's trash for the next cleanup
+            owner.release()
 
 
 def _rmdir(path: Path) -> None:
