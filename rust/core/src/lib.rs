@@ -20,6 +20,7 @@
 
 pub mod assemble;
 pub mod checksum;
+mod coalesce;
 pub mod commit;
 pub mod content_hash;
 pub mod convert;

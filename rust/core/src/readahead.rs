@@ -102,7 +102,7 @@ fn merged_windows(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
 
 /// Whether the page of `file` holding `offset` is in the page cache (a one-byte `preadv2(RWF_NOWAIT)`; an
 /// error, e.g. a kernel without the flag, counts as not cached).
-fn cached(file: &File, offset: u64) -> bool {
+pub(crate) fn cached(file: &File, offset: u64) -> bool {
     let mut byte = 0u8;
     let iov = libc::iovec {
         iov_base: (&mut byte as *mut u8).cast(),

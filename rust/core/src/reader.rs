@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
+use crate::coalesce::runs;
 use crate::error::{Error, IoContext, Result};
 use crate::file_open::open_file_as;
 use crate::header::{self, Header, TensorInfo};
@@ -289,52 +290,53 @@ impl SafetensorsFile {
                 )));
             }
             let start = self.header.data_start + info.begin + offset;
-            for (k, piece) in buf.chunks_mut(chunk_bytes as usize).enumerate() {
-                flat.push((start + k as u64 * chunk_bytes, piece, names.len()));
+            // Summed pieces stay small enough to be summed while still in the CPU cache.
+            let step = if sum {
+                chunk_bytes.min(PIECE as u64)
+            } else {
+                chunk_bytes
+            };
+            for (k, piece) in buf.chunks_mut(step as usize).enumerate() {
+                flat.push((start + k as u64 * step, piece, names.len()));
             }
             names.push(name);
         }
         // In file order, so the device sees one sweep (and the readahead hints run ahead of it); the pieces of
-        // one target stay in order, as the crc32c combine below needs.
+        // one target stay in order, as the crc32c combine below needs. Touching pieces (adjacent tensors) are
+        // read by one preadv of up to `chunk_bytes` (PIECE when summing): see coalesce.rs.
         flat.sort_by_key(|(offset, _, _)| *offset);
-        let jobs: Vec<Mutex<Option<ReadJob<'_>>>> =
-            flat.into_iter().map(|j| Mutex::new(Some(j))).collect();
-        let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
-        let spans: Vec<(usize, usize)> = jobs
+        let spans: Vec<(usize, usize)> = flat.iter().map(|(_, p, t)| (*t, p.len())).collect();
+        let ranges: Vec<(u64, u64)> = flat
             .iter()
-            .map(|j| {
-                let job = j.lock().expect("job lock");
-                let (_, piece, t) = job.as_ref().expect("not run yet");
-                (*t, piece.len())
-            })
+            .map(|(o, p, _)| (*o, *o + p.len() as u64))
             .collect();
-        let ranges: Vec<(u64, u64)> = jobs
-            .iter()
-            .map(|j| {
-                let job = j.lock().expect("job lock");
-                let (offset, piece, _) = job.as_ref().expect("not run yet");
-                (*offset, *offset + piece.len() as u64)
-            })
-            .collect();
+        let limit = if sum { PIECE as u64 } else { chunk_bytes };
+        let runs = runs(&ranges, limit);
+        let mut pieces: Vec<Option<&mut [u8]>> =
+            flat.into_iter().map(|(_, p, _)| Some(p)).collect();
+        let mut jobs: Vec<Mutex<Vec<&mut [u8]>>> = Vec::with_capacity(runs.len());
+        for run in &runs {
+            let bufs = run
+                .clone()
+                .map(|j| pieces[j].take().expect("each piece once"));
+            jobs.push(Mutex::new(bufs.collect()));
+        }
+        let sums: Vec<OnceLock<u32>> = (0..spans.len()).map(|_| OnceLock::new()).collect();
         with_readahead(&file, &ranges, |done| {
-            pool::run::<(), _>(threads, jobs.len(), None, |_, j| {
-                let (offset, piece, t) = jobs[j]
-                    .lock()
-                    .expect("job lock")
-                    .take()
-                    .expect("each job once");
-                let len = piece.len() as u64;
-                let what = || format!("tensor {:?}", names[t]);
-                if !sum {
-                    self.read_exact_at(&file, piece, offset, what)?;
-                } else {
-                    let mut crc = 0u32;
-                    for (k, part) in piece.chunks_mut(PIECE).enumerate() {
-                        self.read_exact_at(&file, part, offset + (k * PIECE) as u64, what)?;
-                        crc = crc32c_append(crc, part);
+            pool::run::<(), _>(threads, jobs.len(), None, |_, r| {
+                let mut bufs = std::mem::take(&mut *jobs[r].lock().expect("job lock"));
+                let run = runs[r].clone();
+                let offsets: Vec<u64> = ranges[run.clone()].iter().map(|(a, _)| *a).collect();
+                let what = |k: usize| format!("tensor {:?}", names[spans[run.start + k].0]);
+                self.read_run(&file, &mut bufs, &offsets, what)?;
+                if sum {
+                    for (k, piece) in bufs.iter().enumerate() {
+                        sums[run.start + k]
+                            .set(crc32c_append(0, piece))
+                            .expect("each piece once");
                     }
-                    sums[j].set(crc).expect("each job once");
                 }
+                let len: u64 = bufs.iter().map(|b| b.len() as u64).sum();
                 done.fetch_add(len, Ordering::Relaxed);
                 Ok(())
             })

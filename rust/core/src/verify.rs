@@ -23,6 +23,7 @@ use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
 use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
+use crate::coalesce::runs;
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::readahead::with_readahead;
@@ -235,32 +236,51 @@ impl SafetensorsFile {
         }
         let sums: Vec<OnceLock<u32>> = (0..jobs.len()).map(|_| OnceLock::new()).collect();
         let spans: Vec<(u64, u64)> = jobs.iter().map(|(_, r)| (r.start, r.end)).collect();
+        // Touching jobs (small tensors back to back) form runs of up to `chunk_bytes`, each read in windows of
+        // at most PIECE bytes that cross tensor boundaries (coalesce.rs): one read per MiB, not one per tensor.
+        let runs = runs(&spans, chunk_bytes);
+        let name = |k: usize| match regions[k].0 {
+            Some(i) => format!("tensor {:?}", self.tensors()[i].name),
+            None => "the header".into(),
+        };
         with_readahead(&file, &spans, |done| {
-            pool::run::<Vec<u8>, _>(threads, jobs.len(), None, |buf, j| {
-                let (k, range) = &jobs[j];
-                let len = (range.end - range.start) as usize;
+            pool::run::<Vec<u8>, _>(threads, runs.len(), None, |buf, r| {
+                let run = runs[r].clone();
+                let run_end = spans[run.end - 1].1;
                 // Positional reads of at most PIECE bytes into one reused buffer, each summed while it is still in
                 // the CPU cache: from the page cache this costs a cache-hot copy (no page faults of a mapping, no
                 // write to main memory), from the disk the read itself.
-                let piece = len.min(PIECE);
-                if buf.len() < piece {
-                    buf.resize(piece, 0);
-                }
-                let mut crc = 0u32;
-                let mut at = 0usize;
-                while at < len {
-                    let n = piece.min(len - at);
-                    self.read_exact_at(&file, &mut buf[..n], range.start + at as u64, || {
-                        match regions[*k].0 {
-                            Some(i) => format!("tensor {:?}", self.tensors()[i].name),
-                            None => "the header".into(),
+                let (mut win_at, mut win_len) = (0u64, 0usize);
+                for j in run.clone() {
+                    let range = &jobs[j].1;
+                    let mut crc = 0u32;
+                    let mut at = range.start;
+                    while at < range.end {
+                        if at >= win_at + win_len as u64 {
+                            win_at = at;
+                            win_len = PIECE.min((run_end - at) as usize);
+                            if buf.len() < win_len {
+                                buf.resize(win_len, 0);
+                            }
+                            // A short file names the region holding the first byte it lacks.
+                            let what = || {
+                                let end = file.metadata().map_or(0, |m| m.len()).max(win_at);
+                                let k = run
+                                    .clone()
+                                    .find(|&i| spans[i].1 > end)
+                                    .map_or(jobs[j].0, |i| jobs[i].0);
+                                name(k)
+                            };
+                            self.read_exact_at(&file, &mut buf[..win_len], win_at, what)?;
                         }
-                    })?;
-                    crc = crc32c_append(crc, &buf[..n]);
-                    at += n;
+                        let n = (range.end.min(win_at + win_len as u64) - at) as usize;
+                        let from = (at - win_at) as usize;
+                        crc = crc32c_append(crc, &buf[from..from + n]);
+                        at += n as u64;
+                    }
+                    sums[j].set(crc).expect("each job once");
                 }
-                sums[j].set(crc).expect("each job once");
-                done.fetch_add(len as u64, Ordering::Relaxed);
+                done.fetch_add(run_end - spans[run.start].0, Ordering::Relaxed);
                 Ok(())
             })
         })?;

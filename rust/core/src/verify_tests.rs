@@ -353,3 +353,75 @@ fn a_file_of_no_tensors_and_a_one_byte_tensor_are_summed_whole() {
         .unwrap_err();
     assert!(e.to_string().contains("tensor \"big\": crc32c"), "{e}");
 }
+
+/// A file of `n` small tensors back to back ("t0", "t1", ...); returns its path and each tensor's crc32c.
+fn written_many(dir: &Path, n: usize) -> (PathBuf, Vec<u32>) {
+    let data: Vec<Vec<u8>> = (0..n)
+        .map(|i| {
+            (0..(4 * (i + 1) * 97))
+                .map(|j| ((i * 31 + j) % 251) as u8)
+                .collect()
+        })
+        .collect();
+    let path = dir.join("many.safetensors");
+    let sources = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| TensorSource {
+            name: format!("t{i}"),
+            dtype: Dtype::F32,
+            shape: vec![(d.len() / 4) as u64],
+            data: &d[..],
+            byte_offset: 0,
+            byte_strides: None,
+            convert_to: None,
+        })
+        .collect();
+    write_file(&path, sources, None, &WriteOptions::default()).unwrap();
+    (path, data.iter().map(|d| crc32c::crc32c(d)).collect())
+}
+
+#[test]
+fn coalesced_reads_of_many_small_tensors_name_the_damaged_and_the_truncated_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, crcs) = written_many(dir.path(), 40);
+    let want: Vec<(String, u32)> = crcs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (format!("t{i}"), *c))
+        .collect();
+    let refs: Vec<(&str, u32)> = want.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+    let whole = crc32c::crc32c(&std::fs::read(&path).unwrap());
+    let f = SafetensorsFile::open(&path).unwrap();
+    for chunk in [1, 4096, 8 << 20] {
+        f.verify(&expected(Some(whole), &refs), 2, chunk).unwrap();
+    }
+    let t17 = f.tensor("t17").unwrap().clone();
+    let (start, end) = (f.data_start() + t17.begin, f.data_start() + t17.end);
+    drop(f);
+    flip(&path, start + 5);
+    let f = SafetensorsFile::open(&path).unwrap();
+    for chunk in [1, 4096, 8 << 20] {
+        let msg = f
+            .verify(&expected(None, &refs), 2, chunk)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("tensor \"t17\""), "{msg}");
+        assert_eq!(
+            msg.matches("tensor \"t").count(),
+            1,
+            "only t17 is damaged: {msg}"
+        );
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(end - 3)
+        .unwrap();
+    for chunk in [4096, 8 << 20] {
+        let e = f.verify(&expected(None, &refs), 2, chunk).unwrap_err();
+        assert_eq!(e.kind(), "Truncated");
+        assert!(e.to_string().contains("tensor \"t17\" needs"), "{e}");
+    }
+}
