@@ -107,7 +107,9 @@ pub fn hash_pieces(
         for p in pieces {
             let buf = PyUntypedBuffer::get(p)?;
             if !buf.is_c_contiguous() {
-                return Err(PyValueError::new_err("hash_pieces needs C-contiguous buffers"));
+                return Err(PyValueError::new_err(
+                    "hash_pieces needs C-contiguous buffers",
+                ));
             }
             bufs.push(buf);
         }
