@@ -74,15 +74,27 @@ pub fn hash_sources(sources: &[TensorSource<'_>], threads: usize) -> Result<Vec<
         .iter()
         .map(TensorSource::check)
         .collect::<Result<Vec<_>>>()?;
+    let sizes: Vec<u64> = checked.iter().map(|c| c.nbytes).collect();
+    hash_blocks(&sizes, threads, |t, b, scratch| {
+        source_block(&checked[t], b, scratch)
+    })
+}
+
+/// One hash per tensor of `sizes` bytes, from its [`HASH_BLOCK`] blocks: `block(t, b, scratch)` hashes block `b` of
+/// tensor `t`; the blocks of all tensors run in parallel on `threads` workers (0 = min(8, cores)).
+fn hash_blocks<F>(sizes: &[u64], threads: usize, block: F) -> Result<Vec<u128>>
+where
+    F: Fn(usize, u64, &mut Vec<u8>) -> u128 + Sync,
+{
     let mut first = vec![0usize];
-    for c in &checked {
-        first.push(first[first.len() - 1] + block_count(c.nbytes) as usize);
+    for &n in sizes {
+        first.push(first[first.len() - 1] + block_count(n) as usize);
     }
-    let total = first[checked.len()];
+    let total = first[sizes.len()];
     let blocks: Vec<OnceLock<u128>> = (0..total).map(|_| OnceLock::new()).collect();
     pool::run::<Vec<u8>, _>(threads, total, None, |scratch, k| {
         let t = first.partition_point(|&c| c <= k) - 1;
-        let h = source_block(&checked[t], (k - first[t]) as u64, scratch);
+        let h = block(t, (k - first[t]) as u64, scratch);
         blocks[k].set(h).expect("each block once");
         Ok(())
     })?;
@@ -90,10 +102,8 @@ pub fn hash_sources(sources: &[TensorSource<'_>], threads: usize) -> Result<Vec<
         .into_iter()
         .map(|b| b.into_inner().unwrap_or_default())
         .collect();
-    Ok(checked
-        .iter()
-        .enumerate()
-        .map(|(t, c)| combine(&blocks[first[t]..first[t + 1]], c.nbytes))
+    Ok((0..sizes.len())
+        .map(|t| combine(&blocks[first[t]..first[t + 1]], sizes[t]))
         .collect())
 }
 
@@ -106,27 +116,11 @@ pub fn hash_pieces(tensors: &[Vec<&[u8]>], threads: usize) -> Result<Vec<u128>> 
         .iter()
         .map(|p| p.iter().map(|b| b.len() as u64).sum())
         .collect();
-    let mut first = vec![0usize];
-    for &n in &sizes {
-        first.push(first[first.len() - 1] + block_count(n) as usize);
-    }
-    let total = first[tensors.len()];
-    let blocks: Vec<OnceLock<u128>> = (0..total).map(|_| OnceLock::new()).collect();
-    pool::run::<Vec<u8>, _>(threads, total, None, |scratch, k| {
-        let t = first.partition_point(|&c| c <= k) - 1;
-        let start = (k - first[t]) as u64 * HASH_BLOCK;
+    hash_blocks(&sizes, threads, |t, b, scratch| {
+        let start = b * HASH_BLOCK;
         let end = (start + HASH_BLOCK).min(sizes[t]);
-        let h = pieces_block(&tensors[t], start, end, scratch);
-        blocks[k].set(h).expect("each block once");
-        Ok(())
-    })?;
-    let blocks: Vec<u128> = blocks
-        .into_iter()
-        .map(|b| b.into_inner().unwrap_or_default())
-        .collect();
-    Ok((0..tensors.len())
-        .map(|t| combine(&blocks[first[t]..first[t + 1]], sizes[t]))
-        .collect())
+        pieces_block(&tensors[t], start, end, scratch)
+    })
 }
 
 /// The hash of bytes `[start, end)` of the concatenation of `pieces`.
