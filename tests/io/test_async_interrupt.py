@@ -34,7 +34,7 @@ _CHILD = """
 import atexit, os, signal, sys, threading
 sys.path.insert(0, {helpers!r})
 import fastckpt
-from fastckpt._io.async_save import stream as async_stream
+from fastckpt._io.async_save import cancel, stream as async_stream
 from crash_worker import build_state
 
 model, opt, sched = build_state({new}, {mb})
@@ -62,6 +62,7 @@ real = async_stream.StreamingSave.before_commit
 def held(self, *checksums):  # the writer thread, every file written, before the commit
     until(lambda: main_in("wait", file="outcome.py"))  # inside AsyncSave.wait's try: where a Ctrl-C lands
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the main thread waits in handle.wait()
+    until(lambda: cancel._armed)  # the main thread took it while the save was in flight (else the commit could win)
     if {second!r}:
         until(lambda: main_in("_python_exit", "_shutdown"))  # the interpreter exits and joins this thread
         os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C

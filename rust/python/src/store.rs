@@ -26,7 +26,9 @@ fn to_py(err: StoreError) -> PyErr {
         StoreError::NotFound { .. } => PyFileNotFoundError::new_err(message),
         StoreError::AlreadyExists { .. } => PyFileExistsError::new_err(message),
         StoreError::Integrity { .. } => integrity_error(message),
-        StoreError::Denied { .. } => PyPermissionError::new_err(message),
+        StoreError::Denied { .. } | StoreError::NoCredentials { .. } => {
+            PyPermissionError::new_err(message)
+        }
         StoreError::NoBucket { .. } => PyFileNotFoundError::new_err(message),
         StoreError::Unreachable { .. } => PyConnectionError::new_err(message),
         StoreError::Io { .. } | StoreError::Store { .. } => PyOSError::new_err(message),

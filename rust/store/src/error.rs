@@ -51,6 +51,18 @@ pub enum StoreError {
         /// S3's message.
         message: String,
     },
+    /// No credentials: neither the environment nor `storage_options` name any, and the cloud instance's metadata
+    /// endpoint (object_store's last resort) gave none.
+    #[error(
+        "{url}: no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or pass them in \
+         storage_options (the instance metadata endpoint 169.254.169.254 was tried last: {detail})"
+    )]
+    NoCredentials {
+        /// The object's URL.
+        url: String,
+        /// object_store's error, shortened.
+        detail: String,
+    },
     /// The bucket does not exist at the endpoint.
     #[error(
         "{url}: bucket {bucket:?} does not exist at {endpoint}; create it first, or fix the bucket name in the URL \
@@ -126,6 +138,12 @@ fn endpoint_in(text: &str) -> String {
 /// its fix, instead of the raw S3 XML; `None` for anything else (kept as [`StoreError::Store`]).
 pub fn classify(url: &str, bucket: &str, source: &object_store::Error) -> Option<StoreError> {
     let text = source.to_string();
+    if text.contains(INSTANCE_METADATA) {
+        return Some(StoreError::NoCredentials {
+            url: url.into(),
+            detail: text.chars().take(200).collect(),
+        });
+    }
     let code = xml_value(&text, "Code");
     match code {
         Some("NoSuchBucket") => {
@@ -213,6 +231,22 @@ mod tests {
             },
         };
         assert!(!other.to_string().contains("credentials"));
+    }
+
+    #[test]
+    fn a_failed_credential_lookup_is_classified_as_no_credentials() {
+        let lookup = object_store::Error::Generic {
+            store: "S3",
+            source: "Error performing PUT http://169.254.169.254/latest/api/token in 1ms - 403"
+                .into(),
+        };
+        let e = classify("s3://b/k", "b", &lookup).expect("classified");
+        assert!(matches!(e, StoreError::NoCredentials { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.starts_with("s3://b/k: no credentials found: set AWS_ACCESS_KEY_ID"),
+            "{text}"
+        );
     }
 
     fn generic(text: &str) -> object_store::Error {
