@@ -220,16 +220,20 @@ def test_a_flipped_byte_in_each_tier_is_skipped_with_a_warning(tmp_path):
     assert_same(fingerprint(*state), reference(TOTAL))
 
 
-def test_nothing_intact_restores_nothing(tmp_path):
+def test_nothing_intact_raises_and_restores_nothing(tmp_path):
+    # every checkpoint damaged: starting from step 0 would overwrite them, so restore() refuses, naming each
     first_run(tmp_path, total=2)[0].wait()
     flip(tmp_path / "mem" / "checkpoints" / "checkpoint_2")
     flip(tmp_path / "proj" / "checkpoints" / "checkpoint_2")
     state = build()
     before = {k: v.clone() for k, v in state[0].state_dict().items()}
     mgr = manager(tmp_path, state)
-    with pytest.warns(TierSkippedWarning):
-        assert mgr.restore() == 0
+    with pytest.warns(TierSkippedWarning), pytest.raises(fastckpt.CheckpointError) as info:
+        mgr.restore()
+    assert type(info.value) is fastckpt.CheckpointError
+    assert "memory tier's checkpoint of step 2" in str(info.value) and "local tier's" in str(info.value)
     assert mgr.restored_from is None
+    assert (tmp_path / "proj" / "checkpoints" / "checkpoint_2").is_dir()  # nothing deleted
     assert all(torch.equal(before[k], v) for k, v in state[0].state_dict().items())  # nothing changed
 
 

@@ -45,7 +45,7 @@ def test_remote_tier_uploads_and_restores(tmp_path, s3_endpoint):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_only_the_remote_tier_left_damaged_restores_nothing(tmp_path, s3_endpoint):
+def test_only_the_remote_tier_left_damaged_refuses(tmp_path, s3_endpoint):
     url = f"s3://{BUCKET}/manager-{uuid.uuid4().hex[:6]}"
     state = build()
     mgr = manager(tmp_path / "proj", url, tmp_path / "mem", state)
@@ -59,5 +59,6 @@ def test_only_the_remote_tier_left_damaged_restores_nothing(tmp_path, s3_endpoin
     body[-3] ^= 0x10
     client().put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
     mgr = manager(tmp_path / "other", url, tmp_path / "mem-other", build())
-    with pytest.warns(TierSkippedWarning, match="remote tier"):
-        assert mgr.restore() == 0
+    with pytest.warns(TierSkippedWarning, match="remote tier"), pytest.raises(fastckpt.CheckpointError) as info:
+        mgr.restore()  # starting over would overwrite the damaged checkpoint: refused, naming it
+    assert type(info.value) is fastckpt.CheckpointError and "remote tier's checkpoint of step 2" in str(info.value)

@@ -154,7 +154,9 @@ class CheckpointManager(Ending):
         root, self._memory_default = memory_root(memory, self.project, self.rank)
         if root is not None:
             check_writable(root, memory)
-        self.memory: MemoryTier | None = None if root is None else MemoryTier(root).claim()  # one run per tier
+        # one run per tier; each snapshot names its project (a restore of another project's skips it)
+        self.memory: MemoryTier | None = (None if root is None else
+                                          MemoryTier(root, project=str(Path(self.project).resolve())).claim())
         _managers += 1  # every option checked: the same sequence on every rank
         self.durable = None
         if self.memory is not None and self.rank == 0 and not self.sharded:  # sharded: written in step()
@@ -216,15 +218,19 @@ class CheckpointManager(Ending):
         """Restore the newest intact step across tiers (own memory, peer replicas, local durable, remote); every
         candidate is checked (crc32c) before anything is applied, a damaged one is skipped with a
         :class:`~fastckpt.errors.TierSkippedWarning`; every rank restores the same step (the newest every rank
-        can). Sets :attr:`restored_from` (``"memory"``, ``"peer"``, ``"local"``, ``"remote"`` or None) and logs it.
+        can). A memory snapshot saved by another project (a shared ``FASTCKPT_JOB_ID``) is skipped with a warning
+        naming it. Sets :attr:`restored_from` (``"memory"``, ``"peer"``, ``"local"``, ``"remote"`` or None) and
+        logs it.
 
         Returns:
-            The restored step (int), 0 when no tier holds an intact checkpoint (nothing is changed then).
+            The restored step (int), 0 when no tier holds a checkpoint (nothing is changed then).
 
         Raises:
-            KeyMismatchError / ShapeMismatchError / DtypeError: the checkpoint is of another model (nothing
-                changed). CollectiveTimeoutError: another process did not take part within ``timeout``.
-            CheckpointError: another process failed (names it); nothing changed on any process.
+            MissingStateError / KeyMismatchError / ShapeMismatchError / DtypeError: the newest intact checkpoint is
+                not of the objects passed (another model, schedulers or registered objects added or removed);
+                nothing changed, nothing deleted. CollectiveTimeoutError: another process did not take part within
+                ``timeout``. CheckpointError: every checkpoint found is damaged (names each; starting over would
+                overwrite them), or another process failed (names it); nothing changed on any process.
         """
         started = time.perf_counter()
         if self.distributed:
@@ -234,7 +240,7 @@ class CheckpointManager(Ending):
             cands = local_candidates(self.memory, self.project)
             rc = remote_candidate(self.remote, self.storage_options)
             c, _ = restore_single(cands + ([rc] if rc else []), self._state, threads=self.threads,
-                                  storage_options=self.storage_options)
+                                  storage_options=self.storage_options, project=self.project)
         self.restored_from = None if c is None else c.tier
         self.restored_step = self._step_seen = None if c is None else c.step
         log_restore(c, started)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from fastckpt._io.group.distributed import Session
 from fastckpt._io.storage.local.folder import pinned
 from fastckpt._io.storage.local.integrity import verify_checkpoint
+from fastckpt._io.storage.local.layout import read_manifest
 from fastckpt._io.storage.local.numbering import checkpoint_numbers
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt._io.storage.peer import exchange, replica_sources, replica_tier
@@ -35,9 +36,12 @@ from fastckpt._state.sharded import is_sharded
 from fastckpt.errors import (
     CheckpointChangedError,
     CheckpointError,
+    DtypeError,
     HeaderError,
     IntegrityError,
+    KeyMismatchError,
     MissingStateError,
+    ShapeMismatchError,
     TierSkippedWarning,
 )
 from fastckpt.manager.sharded import plan_local_restore, snapshot_world
@@ -49,8 +53,12 @@ logger = logging.getLogger("fastckpt")
 
 #: at equal steps, the cheaper tier first
 TIERS = ("memory", "peer", "local", "remote")
-#: what makes a tier skipped instead of the restore failing: damaged, partial or unreadable bytes
+#: what makes a tier skipped instead of the restore failing: damaged, partial or unreadable bytes (a missing file
+#: is a MissingStateError, an OSError); a checkpoint that is intact but differs from what this run passed
+#: (:data:`MISMATCH`, found by :func:`read_checked`) is raised instead (as Orbax does on a structure mismatch)
 DAMAGE = (IntegrityError, HeaderError, MissingStateError, CheckpointChangedError, OSError)
+#: the checkpoint is intact but is not of the objects this run passed (other model, schedulers, registered objects)
+MISMATCH = (MissingStateError, KeyMismatchError, ShapeMismatchError, DtypeError)
 _NUMBER = re.compile(r"checkpoint_(\d+)/?$")
 
 
@@ -67,10 +75,40 @@ class Candidate:
         return (-self.step, TIERS.index(self.tier))
 
 
-def skip(c: Candidate, exc: BaseException) -> None:
-    """Warn that ``c`` is skipped (names tier, place, step and error)."""
-    warnings.warn(f"the {c.tier} tier's checkpoint of step {c.step} at {c.location} is damaged or unreadable "
-                  f"({type(exc).__name__}: {exc}); skipped, trying the next one", TierSkippedWarning, stacklevel=4)
+def skip(c: Candidate, exc: BaseException, skipped: list[str] | None = None) -> None:
+    """Warn that ``c`` is skipped (names tier, place, step and error); noted in ``skipped``."""
+    if getattr(exc, "_fastckpt_mismatch", False):  # intact, but not what this run passed: never skipped
+        raise exc
+    what = f"the {c.tier} tier's checkpoint of step {c.step} at {c.location}"
+    if skipped is not None:
+        skipped.append(f"{what} ({type(exc).__name__}: {exc})")
+    warnings.warn(f"{what} is damaged or unreadable ({type(exc).__name__}: {exc}); skipped, trying the next one",
+                  TierSkippedWarning, stacklevel=4)
+
+
+def foreign(c: Candidate, project: Path | None) -> bool:
+    """True (and a :class:`TierSkippedWarning` naming whose it is) when the memory-tier or replica snapshot ``c``
+    was saved by another project (its manifest's ``"project"``, e.g. two projects sharing ``FASTCKPT_JOB_ID``);
+    a snapshot without that record (older versions) or an unreadable manifest (the restore reports it) is not."""
+    if project is None or c.folder is None or c.tier not in ("memory", "peer"):
+        return False
+    try:
+        owner = read_manifest(c.folder).get("project")
+    except (CheckpointError, OSError, ValueError):
+        return False
+    mine = str(Path(project).resolve())
+    if owner is None or owner == mine:
+        return False
+    warnings.warn(f"the {c.tier} tier's checkpoint of step {c.step} at {c.location} belongs to the project {owner}, "
+                  f"not to this one ({mine}); skipped, never applied", TierSkippedWarning, stacklevel=4)
+    return True
+
+
+def no_intact(skipped: list[str]) -> CheckpointError:
+    """The error of a restore whose every existing candidate was damaged (starting over would overwrite them)."""
+    return CheckpointError("no checkpoint could be restored, every one found is damaged or unreadable: "
+                           + "; ".join(skipped) + ". Nothing was changed; repair or remove them (fastckpt verify) "
+                           "to start from scratch")
 
 
 def local_candidates(memory: MemoryTier | None, project: Path | None) -> list[Candidate]:
@@ -110,33 +148,55 @@ def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, stora
                  verify: bool = True) -> Any:
     """Phase 1 from ``c``: every byte it reads checked (``verify=False``: ``c`` was checked whole by this process
     already); returns the load plan (nothing live changed)."""
+    mismatch: BaseException | None = None
     with opened(c, storage_options) as folder:
         with pinned(folder, verify=verify, threads=threads, defer=True) as handle:
-            plan = plan_restore(handle, *objects, rank=rank)
+            try:
+                plan = plan_restore(handle, *objects, rank=rank)
+            except MISMATCH as exc:
+                mismatch = exc
+        if mismatch is not None:  # damage (checked whole here: raises) or this run passed other objects
+            verify_checkpoint(folder, threads=threads)
+            mismatch._fastckpt_mismatch = True  # type: ignore[attr-defined]
+            raise mismatch
     return plan
 
 
-def restore_single(candidates: list[Candidate], objects: tuple, *, threads: int,
-                   storage_options: Any) -> tuple[Candidate | None, Any]:
-    """Try ``candidates`` newest first; returns the one applied (None: none intact) and its load plan."""
+def restore_single(candidates: list[Candidate], objects: tuple, *, threads: int, storage_options: Any,
+                   project: Path | None = None) -> tuple[Candidate | None, Any]:
+    """Try ``candidates`` newest first (another ``project``'s memory snapshots skipped); returns the one applied
+    (None: there is none) and its load plan.
+
+    Raises:
+        MissingStateError / KeyMismatchError / ShapeMismatchError / DtypeError: an intact checkpoint is not of the
+            objects passed (nothing changed). CheckpointError: every candidate was damaged (names them).
+    """
+    skipped: list[str] = []
     for c in sorted(candidates, key=Candidate.key):
+        if foreign(c, project):
+            continue
         try:
             plan = read_checked(c, objects, rank=0, threads=threads, storage_options=storage_options)
         except DAMAGE as exc:
-            skip(c, exc)
+            skip(c, exc, skipped)
             continue
         plan.apply(threads=threads)
         return c, plan
+    if skipped:
+        raise no_intact(skipped)
     return None, None
 
 
-def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None]) -> Candidate | None:
+def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None], project: Path,
+                   skipped: list[str]) -> Candidate | None:
     for c in sorted(cands, key=Candidate.key):
+        if foreign(c, project):
+            continue
         try:
             check(c)
             return c
         except DAMAGE as exc:
-            skip(c, exc)
+            skip(c, exc, skipped)
     return None
 
 
@@ -151,19 +211,20 @@ def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_option
             raise MissingStateError(f"a snapshot of local shards saved by {saved} processes, this run has {world}")
         verify_checkpoint(c.folder, threads=threads)
 
-    own = None if memory is None else _newest_intact(local_candidates(memory, None), check)
+    skipped: list[str] = []
+    own = None if memory is None else _newest_intact(local_candidates(memory, None), check, project, skipped)
     held: dict[int, int] = {}
     if memory is not None:
         for src in replica_sources(memory.root):
             tier = replica_tier(memory.root, src)
             c = _newest_intact([Candidate(x.step or 0, "peer", x.location, Path(x.location)) for x in tier.list()],
-                               check)
+                               check, project, skipped)
             if c is not None:
                 held[src] = c.step
     rc = remote_candidate(remote, storage_options) if rank == 0 else None
     return {"memory": None if own is None else own.step, "held": held,
             "local": sorted(c.step for c in local_candidates(None, project)),
-            "remote": None if rc is None else [rc.step, rc.location]}
+            "remote": None if rc is None else [rc.step, rc.location], "skipped": skipped}
 
 
 def decide(reports: list[dict[str, Any]], project: Path, *, threads: int, together: bool = False) -> dict[str, Any]:
@@ -173,6 +234,7 @@ def decide(reports: list[dict[str, Any]], project: Path, *, threads: int, togeth
     every rank (a sharded load is one collective)."""
     remote = reports[0]["remote"]
     durable_ok: dict[int, bool] = {}
+    skipped = [s for rep in reports for s in rep.get("skipped", [])]
 
     def durable(s: int) -> bool:
         if s not in durable_ok:
@@ -181,7 +243,7 @@ def decide(reports: list[dict[str, Any]], project: Path, *, threads: int, togeth
                 verify_checkpoint(folder, threads=threads)
                 durable_ok[s] = True
             except DAMAGE as exc:
-                skip(Candidate(s, "local", str(folder), folder), exc)
+                skip(Candidate(s, "local", str(folder), folder), exc, skipped)
                 durable_ok[s] = False
         return durable_ok[s]
 
@@ -214,7 +276,7 @@ def decide(reports: list[dict[str, Any]], project: Path, *, threads: int, togeth
                 else:
                     continue
             return {"step": s, "sources": sources}
-    return {"step": None, "sources": []}
+    return {"step": None, "sources": [], "skipped": skipped}
 
 
 def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, objects: tuple, *,
@@ -228,6 +290,8 @@ def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage
     choice = session.broadcast(decide(reports, project, threads=threads, together=sharded) if rank == 0 else None,
                                step="decide")
     if choice["step"] is None:
+        if choice.get("skipped"):  # every rank raises: checkpoints exist, but none intact
+            raise no_intact(choice["skipped"])
         return None, None
     step = choice["step"]
     error: BaseException | None = None

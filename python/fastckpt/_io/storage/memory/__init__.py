@@ -88,7 +88,9 @@ class MemorySave:
         manifest last; ``options``: ``ready``, ``progress``, ``before_commit`` (see
         :func:`fastckpt._io.storage.local.commit.write_checkpoint`). Returns ``{file name: bytes}``."""
         durable = self.tier.durable if durable is None else durable
+        extra = None if self.tier.project is None else {"project": self.tier.project}
         self.files = write_files(plan, self.staging, save_id=secrets.token_hex(8), durable=durable, threads=threads,
+                                 extra=extra,
                                  ready=options.get("ready"), file_mode=None, progress=options.get("progress"),
                                  before_commit=options.get("before_commit"))
         return self.files
@@ -137,10 +139,14 @@ class MemoryTier:
         tier: the name restores and warnings give it (``"memory"``; ``"peer"`` for a replica of another rank's).
         durable: fsync what is written (False for tmpfs, where it costs nothing and buys nothing).
         keep: committed checkpoints kept (the newest; older ones go once a newer one is committed).
+        project: the identity of the project whose snapshots these are (its resolved folder), recorded in each
+            snapshot's manifest (``"project"``) so that a restore of another project skips them.
     """
 
-    def __init__(self, root: Path, *, tier: str = "memory", durable: bool = False, keep: int = 1) -> None:
+    def __init__(self, root: Path, *, tier: str = "memory", durable: bool = False, keep: int = 1,
+                 project: str | None = None) -> None:
         self.root = Path(root)
+        self.project = project
         self.folder = self.root / CHECKPOINTS_DIR
         self.location = str(self.root)
         self.tier = tier
