@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["EventBoard", "Preempted", "SignalRecorder"]
+__all__ = ["EventBoard", "Preempted", "SignalRecorder", "release_kept"]
 
 
 class Preempted(SystemExit):
@@ -74,7 +74,8 @@ class SignalRecorder:
     def keep_until_exit(self) -> None:
         """A preemption is being handled: stay installed (recording, so ignoring, further signals) until the
         process exits, whatever ends the manager (``close()``, garbage collection), so that a second signal while
-        the process exits with the :class:`Preempted` code does not end it by the signal."""
+        the process exits with the :class:`Preempted` code does not end it by the signal (:func:`release_kept`
+        ends that, as does the next manager made)."""
         with _lock:
             self.kept = True
             _kept.append(self)
@@ -82,6 +83,7 @@ class SignalRecorder:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        release_kept()  # a new manager: the process went on after a Preempted it caught
         with _lock:
             for s in self.signals:
                 if signal.getsignal(s) is not _dispatch:
@@ -124,6 +126,17 @@ _lock = threading.RLock()
 _outer: dict[int, Any] = {}  # per signal: the handler found when the first recorder was installed
 _live: dict[int, list[weakref.ref[SignalRecorder]]] = {}  # per signal: the installed recorders, oldest first
 _kept: list[SignalRecorder] = []  # recorders of a preemption being handled: alive and installed until exit
+
+
+def release_kept() -> None:
+    """Uninstall the recorders kept after a preemption (:meth:`SignalRecorder.keep_until_exit`): for a process that
+    caught :class:`Preempted` and goes on (a new manager does it; so do the tests between cases)."""
+    with _lock:
+        kept = list(_kept)
+        _kept.clear()
+        for recorder in kept:
+            recorder.kept = False
+            recorder.uninstall()
 
 
 def _usable(handler: Any) -> Any:
