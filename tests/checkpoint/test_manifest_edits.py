@@ -113,3 +113,20 @@ def test_counts_must_be_non_negative_ints(good, tmp_path, value):
     folder = _edited(good, tmp_path, lambda m: m.__setitem__("models", value))
     with pytest.raises(HeaderError, match="'models' must be a non-negative integer"):
         read_manifest(folder)
+
+
+def test_a_manifest_nested_past_the_recursion_limit_is_a_header_error(good, tmp_path, capsys):
+    """``{"a":`` 100,000 times: every reader of ``fastckpt.json`` (load, verify, the CLI)
+    raises HeaderError naming the file, never Python's bare RecursionError; nothing is changed."""
+    folder = tmp_path / "project" / "checkpoints" / "checkpoint_0"
+    shutil.copytree(good[0], folder)
+    (folder / "fastckpt.json").write_text('{"a":' * 100_000)
+    model, opt, sched = make_training_state(seed=5)
+    before = model_clone(model)
+    with pytest.raises(HeaderError, match=r"checkpoint_0/fastckpt\.json: not valid JSON"):
+        fastckpt.load_state(model, opt, sched, input_dir=folder)
+    assert_model_state(model, before)
+    with pytest.raises(HeaderError, match=r"checkpoint_0/fastckpt\.json: not valid JSON"):
+        fastckpt.verify_checkpoint(folder)
+    assert cli(["verify", str(folder)]) == 1  # damaged
+    assert "not valid JSON" in capsys.readouterr().err

@@ -50,6 +50,15 @@ def test_empty_output_dir_is_refused(tmp_path):
         fastckpt.save_state(_net(), output_dir="", model_only=True)
 
 
+def test_empty_project_dir_is_refused_not_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: fastckpt.save_state(_net(), project_dir="", model_only=True),
+                 lambda: fastckpt.load_state(_net(), project_dir="", model_only=True)):
+        with pytest.raises(ValueError, match="project_dir is an empty path"):
+            call()
+    assert list(tmp_path.iterdir()) == []  # nothing written where the process runs
+
+
 def test_symlinked_output_dir_keeps_the_link(tmp_path):
     real = tmp_path / "real"
     real.mkdir()

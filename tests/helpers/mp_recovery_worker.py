@@ -191,7 +191,7 @@ class Trap:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-RANDOM_TOTAL, RANDOM_ROUNDS = 32, 5
+RANDOM_TOTAL, RANDOM_ROUNDS = 104, 20  # a round moves at most EVERY + 2 steps: 20 fit
 
 
 def random_preemptions(rank: int, world: int) -> None:
@@ -199,9 +199,10 @@ def random_preemptions(rank: int, world: int) -> None:
     mgr, _, ref, _ = train("random_ref", rank, until=RANDOM_TOTAL)
     mgr.close()
     rounds, final = [], None
-    later = ["boundary", "all_reduce", "save", "restore"]  # every moment once after the first (nothing to restore)
+    kinds = ["boundary", "all_reduce", "save", "restore"]
+    later = kinds[:]  # every moment once after the first (nothing to restore), then random ones
     rng.shuffle(later)
-    moments = [rng.choice(["boundary", "all_reduce"])] + later
+    moments = [rng.choice(["boundary", "all_reduce"])] + later + [rng.choice(kinds) for _ in range(RANDOM_ROUNDS - 5)]
     for r in range(RANDOM_ROUNDS + 1):
         state, trap = build(rank), Trap()
         seed_globals(1 + rank)

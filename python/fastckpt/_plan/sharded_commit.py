@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fastckpt import _core
+from fastckpt._format.json_input import load_json
 from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.files import SavePlan
 from fastckpt._io.storage.local.commit import fsync_dir, write_text
@@ -33,7 +34,7 @@ __all__ = ["parts_of", "assemble_model_files", "commit_local", "commit_remote", 
 def parts_of(folder: Path) -> set[str]:
     """The DCP part subfolders a sharded checkpoint's manifest names (never carried over as user files)."""
     try:
-        sharded = json.loads((folder / MANIFEST).read_text()).get("sharded", {})
+        sharded = load_json((folder / MANIFEST).read_text(), f"{folder / MANIFEST}", object).get("sharded", {})
         return {str(p) for p in sharded.get("parts", [])}
     except (OSError, ValueError, AttributeError):
         return set()
@@ -42,7 +43,7 @@ def parts_of(folder: Path) -> set[str]:
 def _carry_user_files(target: Path, staging: Path) -> None:
     """Hard-link into ``staging`` the files the user keeps in ``target``: those its manifest does not list."""
     try:
-        listed = set(json.loads((target / MANIFEST).read_text())["files"]) | {MANIFEST}
+        listed = set(load_json((target / MANIFEST).read_text(), f"{target / MANIFEST}", object)["files"]) | {MANIFEST}
     except (OSError, ValueError, KeyError, TypeError):
         listed = {MANIFEST}
     try:

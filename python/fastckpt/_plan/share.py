@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from fastckpt._format.json_input import load_json
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.storage.local.backend import LocalStagedSave, LocalStorage
 from fastckpt._io.storage.local.layout import MANIFEST
@@ -133,7 +134,7 @@ def split_shared(plan: SavePlan, models: list[torch.nn.Module], *, max_shard_siz
 
     def after_commit(folder: Path) -> None:
         try:
-            files = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+            files = load_json((folder / MANIFEST).read_text(encoding="utf-8"), f"{folder / MANIFEST}", object)["files"]
         except (OSError, ValueError, KeyError):
             return
         for name, objs in owners.items():

@@ -24,6 +24,7 @@ from fastckpt import _core
 from fastckpt._format.dcp_boxes import box_runs
 from fastckpt._format.dcp_metadata import METADATA_FILE, ParsedMetadata
 from fastckpt._format.dtypes import F4, to_torch_dtype
+from fastckpt._format.json_input import load_json
 from fastckpt._io.dcp.files import is_dcp_folder, open_chunk_files, read_dcp_metadata
 from fastckpt._io.storage.local.commit import check_target, fsync_dir
 from fastckpt._io.storage.local.shards import _assign, index_name, shard_name
@@ -106,7 +107,7 @@ def _saved_aliases(src: Path, folder: Path) -> dict[str, str]:
     if folder != src / "model" or not (src / MANIFEST).is_file():
         return {}
     try:
-        aliases = json.loads((src / MANIFEST).read_text())["sharded"]["aliases"][0]
+        aliases = load_json((src / MANIFEST).read_text(), f"{src / MANIFEST}", object)["sharded"]["aliases"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return {}
     return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}

@@ -51,9 +51,13 @@ def resolve(location: str | os.PathLike[str] | None, *, project_dir: str | os.Pa
         One :class:`~fastckpt._io.storage.base.Storage`.
 
     Raises:
-        ValueError: a URL scheme no backend serves, a malformed URL, or ``location`` and ``project_dir`` in
-            different storages (the message names both); with ``remote``, as :func:`resolve_tiered`.
+        ValueError: a URL scheme no backend serves, a malformed URL, an empty ``project_dir``, or ``location`` and
+            ``project_dir`` in different storages (the message names both); with ``remote``, as
+            :func:`resolve_tiered`.
     """
+    if isinstance(project_dir, (str, os.PathLike)) and os.fspath(project_dir) in ("", b""):
+        raise ValueError("project_dir is an empty path; name the project folder, or pass None for the current "
+                         "directory")
     if remote is not None:
         return resolve_tiered(location, remote, project_dir=project_dir, storage_options=storage_options)
     scheme = remote_scheme(location, what)

@@ -12,12 +12,12 @@ May import: what this sub-package's ``__init__`` lists.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from fastckpt._format.json_input import load_json
 from fastckpt._io.storage.base import CheckpointView, Committed
 from fastckpt._io.storage.local.commit import check_target, write_checkpoint
 from fastckpt._io.storage.local.folder import pinned
@@ -51,7 +51,7 @@ def check_input_dir(folder: Path) -> Path:
 
 def _committed(folder: Path, number: int | None) -> Committed:
     try:
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        manifest = load_json((folder / MANIFEST).read_text(encoding="utf-8"), f"{folder / MANIFEST}", object)
     except (OSError, ValueError):
         manifest = {}  # stock accelerate: no manifest, a full checkpoint
     manifest = manifest if isinstance(manifest, dict) else {}

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import threading
 from pathlib import Path, PosixPath
 from typing import Any, Iterator
 
 from fastckpt import _core
+from fastckpt._format.json_input import load_json
 from fastckpt._io.log import log_file
 from fastckpt._io.storage.local.in_place import LOCK_NAME
 from fastckpt._io.storage.local.layout import MANIFEST, SAVE_ID_KEY
@@ -72,8 +72,8 @@ class _Pin:
         if self.manifest_bytes is None:
             self.manifest_bytes = data
             try:
-                manifest = json.loads(data)
-            except ValueError:
+                manifest = load_json(data, "fastckpt.json", object)
+            except (ValueError, RecursionError):  # a later, typed read names what is wrong
                 return
             if isinstance(manifest, dict):
                 files = manifest.get("files")

@@ -21,13 +21,13 @@ commit in place without looking at the user's files again.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from fastckpt._format.json_input import load_json
 from fastckpt._io.storage.local.layout import IN_PLACE_STAGING, MANIFEST
 
 __all__ = ["STAGING_NAME", "LOCK_NAME", "in_place_reason", "commit_in_place", "is_mount_point"]
@@ -63,7 +63,7 @@ def is_mount_point(folder: Path) -> bool:
 
 def _old_manifest(target: Path) -> dict[str, Any]:
     try:
-        data = json.loads((target / MANIFEST).read_text(encoding="utf-8"))
+        data = load_json((target / MANIFEST).read_text(encoding="utf-8"), f"{target / MANIFEST}", object)
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -45,6 +45,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fastckpt._format.json_input import load_json
 from fastckpt._io.storage.local.file_size import recorded_size_problem
 from fastckpt._version import __version__
 from fastckpt.errors import CheckpointChangedError, HeaderError, IntegrityError, MissingStateError
@@ -122,7 +123,7 @@ def checkpoint_layout(folder: Path) -> str:
     manifest = folder / MANIFEST
     if manifest.is_file():
         try:
-            data = json.loads(manifest.read_text(encoding="utf-8"))
+            data = load_json(manifest.read_text(encoding="utf-8"), f"{manifest}", object)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise HeaderError(f"{manifest}: not valid JSON: {exc}") from None
         return "accelerate" if isinstance(data, dict) and data.get("layout") == "accelerate" else "fastckpt"
@@ -205,7 +206,7 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
     """
     path = folder / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8")) if parsed is None else parsed
+        manifest = load_json(path.read_text(encoding="utf-8"), f"{path}", object) if parsed is None else parsed
     except FileNotFoundError:
         raise MissingStateError(
             f"{folder}: no {MANIFEST}; not a fastckpt checkpoint, or a save that did not finish"
@@ -237,7 +238,7 @@ def peek_manifest(folder: Path) -> dict[str, Any] | None:
     """``folder/fastckpt.json`` parsed (read once, through ``folder``: a pinned view's handle records it), or None
     when it is missing or not a JSON object (:func:`read_manifest` then raises the typed error naming why)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        manifest = load_json((folder / MANIFEST).read_text(encoding="utf-8"), f"{folder / MANIFEST}", object)
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) else None

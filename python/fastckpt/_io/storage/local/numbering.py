@@ -9,12 +9,12 @@ May import: layers 0-1, the shared ``_io`` modules and the other modules of this
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
 from pathlib import Path
 
+from fastckpt._format.json_input import load_json
 from fastckpt._io.location import check_location
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, MODEL_ONLY_DIR, is_committed
 from fastckpt._io.storage.local.staging import OwnedPath
@@ -30,7 +30,7 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 def saved_mode(folder: Path) -> str:
     """``"full"`` or ``"model_only"``: the manifest's mode of a committed folder (stock accelerate: ``"full"``)."""
     try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        data = load_json((folder / MANIFEST).read_text(encoding="utf-8"), f"{folder / MANIFEST}", object)
     except (OSError, ValueError):
         return "full"
     return "model_only" if isinstance(data, dict) and data.get("mode") == "model_only" else "full"

@@ -31,6 +31,7 @@ from typing import Any
 
 from fastckpt import _core
 from fastckpt._format.dtypes import to_safetensors_dtype
+from fastckpt._format.json_input import load_json
 from fastckpt._format.tensors import convert_target
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.storage.local.layout import MANIFEST
@@ -53,7 +54,7 @@ class LinkedFile:
 
 def _previous_manifest(previous: Path) -> dict[str, Any] | None:
     try:
-        manifest = json.loads((previous / MANIFEST).read_text(encoding="utf-8"))
+        manifest = load_json((previous / MANIFEST).read_text(encoding="utf-8"), f"{previous / MANIFEST}", object)
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None

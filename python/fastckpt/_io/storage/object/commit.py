@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _core
+from fastckpt._format.json_input import load_json
 from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.files import SavePlan
 from fastckpt._io.storage.local.integrity import digest_entry, text_entry
@@ -86,7 +87,7 @@ def committed_manifest(store: Any, url: ObjectUrl) -> dict[str, Any] | None:
 
 def _parse_manifest(where: str, data: bytes) -> dict[str, Any]:
     try:
-        manifest = json.loads(data)
+        manifest = load_json(data, "fastckpt.json", object)
     except ValueError as exc:
         raise HeaderError(f"{where}: not a JSON manifest: {exc}") from None
     ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("save_id"), str)
@@ -280,7 +281,7 @@ def upload_folder(store: Any, url: ObjectUrl, folder: Path) -> None:
         ConcurrentSaveError, IntegrityError, OSError: see :func:`save_object_checkpoint`; nothing is committed and
             the previous checkpoint at ``url`` is untouched.
     """
-    local_manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    local_manifest = load_json((folder / MANIFEST).read_text(encoding="utf-8"), f"{folder / MANIFEST}", object)
     number, save_id = new_save(store, url)
     objects = upload_objects(store, url, save_id, folder, _local_files(folder), local_manifest)
     commit_save(store, url, number, save_id, objects, local_manifest)
