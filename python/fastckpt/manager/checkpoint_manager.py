@@ -182,6 +182,7 @@ class CheckpointManager(Ending):
         self._failure: DurableSaveError | None = None  # rank 0: a durable failure to raise at the agreed step
         self.restored_from: str | None = None
         self.restored_step: int | None = None
+        self._handed: int | None = None  # a restored step handed to the durable tier (see _hand_restored)
         self.last_saved: int | None = None
         self.preempt_seconds: float | None = None
         #: the :class:`Preempted` of a preemption save (set before it is raised; see ``exit_on_preemption``)
@@ -244,6 +245,7 @@ class CheckpointManager(Ending):
         self.restored_from = None if c is None else c.tier
         self.restored_step = self._step_seen = None if c is None else c.step
         log_restore(c, started)
+        self._hand_restored(self.restored_from, self.restored_step)  # newer than the durable tier: made durable
         return 0 if c is None else c.step
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -337,6 +339,7 @@ class CheckpointManager(Ending):
             Preempted: always (a ``SystemExit`` with the manager's ``preemption_exit_code``).
         """
         signum = self.signals.signum or signal.SIGTERM
+        self.signals.keep_until_exit()
         self.preempt_seconds = time.monotonic() - (self.signals.at or time.monotonic())
         logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
                        signum, step, path, self.preempt_seconds)
@@ -379,6 +382,8 @@ class CheckpointManager(Ending):
                                  "raise the budget or pass memory=False")
             if self.durable is not None and 2 * plan.nbytes > self.budget:
                 self.durable.wait()  # the older snapshot goes once its durable copy is made
+        if self.durable is not None and step == self._handed:  # its copy reads the folder this save replaces
+            self.durable.idle()
         save = self.memory.begin(step=step)
         try:
             if has_device_tensors(plan):  # staged through the host buffer pool (device-to-host copies)
@@ -408,6 +413,7 @@ class CheckpointManager(Ending):
         return Session(f"CheckpointManager save of step {step}", self.timeout).on_main(write)
 
     def _preempt(self, step: int) -> Preempted:
+        self.signals.keep_until_exit()  # a second signal, now or while the process exits, changes nothing
         signum = self.signals.signum or signal.SIGTERM
         at = self.signals.at or time.monotonic()
         if self._failure is not None:  # an older step's durable copy failed; this one supersedes it

@@ -7,7 +7,8 @@ finds out at its next ``step()`` and, with several processes, proposes a ``faile
 reads once per step: no new collective); every process raises :class:`~fastckpt.errors.DurableSaveError` at that
 same step, so none is left waiting in a training collective for one that raised. ``close()`` carries the outcome
 in one store round led by the main process (a process missing is a ``CollectiveTimeoutError`` within
-``timeout``), and keeps the memory tier when its newest step is not durable.
+``timeout``), and keeps the memory tier when its newest step is not durable
+(a step restored from memory or a peer and newer than the durable tier is copied there like a save's).
 
 May import: every private layer (layer 5, public package).
 """
@@ -19,6 +20,7 @@ import logging
 from typing import Any
 
 from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.local.numbering import checkpoint_numbers
 from fastckpt.errors import DurableSaveError
 from fastckpt.manager.preemption import Preempted
 
@@ -39,6 +41,8 @@ class Ending:
     rank: int
     timeout: float
     last_saved: int | None
+    _handed: int | None
+    project: Any
     _failure: DurableSaveError | None
     _closed: bool
     _memory_default: bool
@@ -59,6 +63,18 @@ class Ending:
         if own is not None:
             raise own
         raise DurableSaveError(f"{described} (on process 0; raised on process {self.rank} at the same step)")
+
+    def _hand_restored(self, tier: str | None, step: int | None) -> None:
+        """After a restore from the memory tier or a peer's replica of a step newer than the newest durable
+        checkpoint: hand it to the durable tier (in the background, as a save's copy; ``close()`` waits for it),
+        so that a crash before the durable copy of a step never loses that step to the next ``close()``."""
+        if self.durable is None or tier not in ("memory", "peer") or step is None:
+            return
+        if step > max(checkpoint_numbers(self.project, full_only=True), default=-1):
+            logger.info("CheckpointManager: step %d, restored from the %s tier, is newer than the durable tier; "
+                        "copying it there", step, tier)
+            self.durable.submit(step)
+            self._handed = step
 
     def wait(self) -> int | None:
         """Wait until the durable tier (and the replicas) caught up; returns the newest durable step (rank 0;
@@ -81,13 +97,14 @@ class Ending:
         if self._closed:
             return
         self._closed = True
-        self.signals.uninstall()
-        try:
+        try:  # the handler stays until the durable copy is made: a signal meanwhile is recorded, not fatal
             durable = self._drain()
         except BaseException:
             if self.memory is not None:  # kept: it holds the newest step, which the durable tier lacks
                 self.memory.unclaim()
             raise
+        finally:
+            self.signals.uninstall()
         if self.memory is not None:
             self.memory.unclaim()
             if not durable and clear_memory:
@@ -112,7 +129,8 @@ class Ending:
         self._failure = None
 
         def outcome() -> tuple[str | None, bool]:
-            durable = self.durable is None or self.durable.done == self.last_saved
+            newest = self.last_saved if self.last_saved is not None else self._handed
+            durable = self.durable is None or self.durable.done == newest
             return (None if failure is None else str(failure)), durable
 
         if self.distributed and self.memory is not None:

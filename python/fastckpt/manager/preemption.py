@@ -3,7 +3,8 @@
 The handler (:class:`SignalRecorder`) does nothing but note the signal and the time (a handler that saved would
 run in the middle of a step, with the model half updated); the save happens at the next
 :meth:`~fastckpt.CheckpointManager.step` boundary, after ``optimizer.step()``, where the state is consistent.
-A second signal while that save runs is recorded too and changes nothing.
+A second signal while that save runs is recorded too and changes nothing, and so is one arriving after it, while
+the process exits (:meth:`SignalRecorder.keep_until_exit`).
 
 With several processes every one must save **the same step**. :class:`EventBoard` agrees on it through the process
 group's key-value store, without a collective per step: each process reads one key per step
@@ -25,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["EventBoard", "Preempted", "SignalRecorder"]
+__all__ = ["EventBoard", "Preempted", "SignalRecorder", "release_kept"]
 
 
 class Preempted(SystemExit):
@@ -68,10 +69,21 @@ class SignalRecorder:
         self.at: float | None = None
         self.count = 0
         self.installed = False
+        self.kept = False  # keep_until_exit(): uninstall() leaves it installed
+
+    def keep_until_exit(self) -> None:
+        """A preemption is being handled: stay installed (recording, so ignoring, further signals) until the
+        process exits, whatever ends the manager (``close()``, garbage collection), so that a second signal while
+        the process exits with the :class:`Preempted` code does not end it by the signal (:func:`release_kept`
+        ends that, as does the next manager made)."""
+        with _lock:
+            self.kept = True
+            _kept.append(self)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        release_kept()  # a new manager: the process went on after a Preempted it caught
         with _lock:
             for s in self.signals:
                 if signal.getsignal(s) is not _dispatch:
@@ -81,8 +93,11 @@ class SignalRecorder:
 
     def uninstall(self) -> None:
         """Stop recording; the last recorder of a signal puts back the handler found before the first one (left
-        to :func:`_dispatch` off the main thread, or when another handler replaced fastckpt's since)."""
+        to :func:`_dispatch` off the main thread, or when another handler replaced fastckpt's since); a recorder
+        kept until exit (:meth:`keep_until_exit`) stays."""
         with _lock:
+            if self.kept:
+                return
             self.installed = False
             main = threading.current_thread() is threading.main_thread()
             for s in self.signals:
@@ -110,6 +125,18 @@ class SignalRecorder:
 _lock = threading.RLock()
 _outer: dict[int, Any] = {}  # per signal: the handler found when the first recorder was installed
 _live: dict[int, list[weakref.ref[SignalRecorder]]] = {}  # per signal: the installed recorders, oldest first
+_kept: list[SignalRecorder] = []  # recorders of a preemption being handled: alive and installed until exit
+
+
+def release_kept() -> None:
+    """Uninstall the recorders kept after a preemption (:meth:`SignalRecorder.keep_until_exit`): for a process that
+    caught :class:`Preempted` and goes on (a new manager does it; so do the tests between cases)."""
+    with _lock:
+        kept = list(_kept)
+        _kept.clear()
+        for recorder in kept:
+            recorder.kept = False
+            recorder.uninstall()
 
 
 def _usable(handler: Any) -> Any:
