@@ -138,3 +138,14 @@ def s3_url(s3_endpoint, request) -> str:
     from helpers.s3_server import BUCKET
 
     return f"s3://{BUCKET}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', request.node.name).strip('-')}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(autouse=True)
+def _release_kept_preemption_handlers():
+    """Many tests run managers and Trainers in one process: a case that caught ``Preempted`` leaves its signal
+    handler kept until the process exits (``fastckpt.manager.preemption.SignalRecorder.keep_until_exit``, so a
+    second signal cannot kill a preempted process); it is released after each case."""
+    yield
+    from fastckpt.manager.preemption import release_kept
+
+    release_kept()

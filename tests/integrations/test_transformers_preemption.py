@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 import fastckpt
+from fastckpt.manager.preemption import release_kept
 from fastckpt.transformers import folders
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -103,7 +104,10 @@ def test_a_preemption_in_process_saves_that_step(tmp_path, how):
     assert exc.step == 3 and exc.code == 0 and exc.path == tmp_path / "checkpoint-3"
     assert exc.signum == (signal.SIGTERM if how == "request" else signal.SIGUSR1)
     assert checkpoints(tmp_path) == ["checkpoint-3"]
-    assert signal.getsignal(signal.SIGUSR1) == before  # the handlers are put back
+    # kept until the process exits (a second signal must not kill a preempted process), then put back
+    assert signal.getsignal(signal.SIGUSR1) != before
+    release_kept()
+    assert signal.getsignal(signal.SIGUSR1) == before
 
 
 def test_async_save_is_committed_before_the_exit(tmp_path):
