@@ -1,5 +1,6 @@
 //! A scoped worker pool over numbered jobs: workers pull the next job index from one shared counter, the
-//! first error stops everyone, and the pool reports how many distinct threads did work.
+//! first error stops everyone, the error of the lowest-numbered failed job is returned, and the pool reports how
+//! many distinct threads did work.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -32,8 +33,10 @@ pub struct PoolReport {
 }
 
 /// Run jobs `0..jobs` on up to `threads` workers (the calling thread alone when one is enough). Each worker
-/// owns a `S::default()` state for its whole life. Returns the first error (in time) and skips the jobs not
-/// yet started once one failed. `start_barrier`, for tests, is waited on by every worker after it took its
+/// owns a `S::default()` state for its whole life. Once a job fails, the jobs not yet started are skipped and
+/// the error of the lowest-numbered failed job is returned: every job numbered below a failed one was already
+/// taken (the counter only grows), so when jobs follow file order the error names the first damage in the file
+/// whatever the threads' timing. `start_barrier`, for tests, is waited on by every worker after it took its
 /// first job, proving the workers overlap; it must be sized to the worker count.
 pub fn run<S, F>(
     threads: usize,
@@ -51,7 +54,7 @@ where
     }
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let first_error: Mutex<Option<(usize, Error)>> = Mutex::new(None);
     let used: Mutex<HashSet<thread::ThreadId>> = Mutex::new(HashSet::new());
     let worker = || {
         let mut state = S::default();
@@ -72,7 +75,10 @@ where
             }
             if let Err(e) = work(&mut state, job) {
                 failed.store(true, Ordering::Relaxed);
-                first_error.lock().expect("pool lock").get_or_insert(e);
+                let mut first = first_error.lock().expect("pool lock");
+                if first.as_ref().is_none_or(|(k, _)| job < *k) {
+                    *first = Some((job, e));
+                }
                 break;
             }
         }
@@ -86,7 +92,7 @@ where
             }
         });
     }
-    if let Some(e) = first_error.into_inner().expect("pool lock") {
+    if let Some((_, e)) = first_error.into_inner().expect("pool lock") {
         return Err(e);
     }
     let threads_used = used.into_inner().expect("pool lock").len();
@@ -131,6 +137,25 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.to_string(), "job 3");
         assert_eq!(ran.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn the_lowest_failed_job_is_reported_whichever_fails_first() {
+        // Job 1 fails first; job 0 waits for it, then fails too: job 0's error is the one returned.
+        for _ in 0..50 {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<()>(1);
+            let rx = Mutex::new(rx);
+            let e = run::<(), _>(2, 2, None, |_, j| {
+                if j == 1 {
+                    tx.send(()).unwrap();
+                } else {
+                    rx.lock().unwrap().recv().unwrap();
+                }
+                Err(Error::InvalidArgument(format!("job {j}")))
+            })
+            .unwrap_err();
+            assert_eq!(e.to_string(), "job 0");
+        }
     }
 
     #[test]
