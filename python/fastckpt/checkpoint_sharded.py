@@ -74,7 +74,7 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
                         step=step, durable=durable, threads=threads, timeout=timeout,
                         writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
     if total_limit is not None and process_rank() == 0:
-        storage.rotate(total_limit)  # the full checkpoints (a named folder is never rotated)
+        storage.rotate(total_limit, model_only=model_only)  # the kind saved (a named folder is never rotated)
     return path
 
 
