@@ -1,13 +1,18 @@
 """CheckpointManager with sharded (FSDP2 / DTensor) states, the parts one process can check: a memory-tier snapshot of
 local shards saved by another world size is skipped with a TierSkippedWarning (the restore goes to the durable tier,
 never a wrong result), and a step that some rank restores from the durable tier is restored from it by every rank.
-The training runs (2 and 4 processes, gloo, FSDP2 + AdamW) are in tests/integrations/test_recovery_multiprocess.py
-(tests/helpers/mp_fsdp_manager.py)."""
+A one-process FSDP2 run (a 1-process gloo group: no other process to agree with) restores its own memory tier and
+its durable tier. The training runs (2 and 4 processes, gloo, FSDP2 + AdamW) are in
+tests/integrations/test_recovery_multiprocess.py (tests/helpers/mp_fsdp_manager.py)."""
 
 from __future__ import annotations
 
+import json
+import socket
+
 import pytest
 import torch
+from helpers.common import run_python
 
 import fastckpt
 from fastckpt._io.files import FilePart, SavePlan
@@ -46,3 +51,51 @@ def test_sharded_step_needing_the_durable_tier_is_restored_from_it_by_every_rank
     assert decide(reports, proj, threads=1, together=True) == {"step": 4, "sources": [["local"], ["local"]]}
     both = [dict(r, memory=4) for r in reports]
     assert decide(both, proj, threads=1, together=True)["sources"] == [["memory"], ["memory"]]
+
+
+ONE_PROCESS = """
+import json, shutil, socket
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import fastckpt
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+def make(seed):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(m)
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    return m, o
+def state(m, o):
+    out = {{k: v.full_tensor() for k, v in m.state_dict().items()}}
+    for p, s in o.state.items():
+        out.update({{f"{{id(p)}}.{{k}}": v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()}})
+    return list(out.values())
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+m, o = make(0)
+saved = state(m, o)
+fastckpt.CheckpointManager({proj!r}, m, o, memory={mem!r}).save_now(3)  # a crash: its memory tier stays
+res = {{}}
+for source in ("memory", "local"):
+    m2, o2 = make(1)
+    mgr = fastckpt.CheckpointManager({proj!r}, m2, o2, memory={mem!r})
+    res[source] = [mgr.restore(), mgr.restored_from, same(state(m2, o2), saved)]
+    shutil.rmtree({mem!r} + "/checkpoints", ignore_errors=True)  # next: the durable tier
+print(json.dumps(res))
+dist.destroy_process_group()
+"""
+
+
+def test_one_process_sharded_run_restores_its_memory_and_durable_tiers(tmp_path):
+    """FSDP2 in a 1-process group: the manager's restore reads its local-shards snapshot (memory tier) and its
+    sharded durable checkpoint, as the multi-process restore does (it read them as one-process folders and
+    raised MissingStateError for model.safetensors)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_python(ONE_PROCESS.format(port=port, proj=str(tmp_path / "proj"), mem=str(tmp_path / "mem")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"memory": [3, "memory", True],
+                                                                "local": [3, "local", True]}

@@ -234,7 +234,7 @@ class CheckpointManager(Ending):
                 overwrite them), or another process failed (names it); nothing changed on any process.
         """
         started = time.perf_counter()
-        if self.distributed:
+        if self.distributed or self.sharded:  # a sharded state (one process included): its own readers
             c, _ = restore_multi(self.memory, self.project, self.remote, self.storage_options, self._state, group=self.group,
                                  timeout=self.timeout, threads=self.threads)
         else:
