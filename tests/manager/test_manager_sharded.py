@@ -22,11 +22,11 @@ from fastckpt.manager.restore import decide, survey
 from fastckpt.manager.sharded import LAYOUT, snapshot_world
 
 
-def snapshot(root, *, step: int, world: int) -> MemoryTier:
-    """A committed local-shards snapshot of rank 0 of ``world`` processes."""
+def snapshot(root, *, step: int, world: int, rank: int = 0) -> MemoryTier:
+    """A committed local-shards snapshot of ``rank`` of ``world`` processes."""
     tier = MemoryTier(root)
-    plan = SavePlan(mode="full", step=step, counts={"layout": LAYOUT, LAYOUT: {"rank": 0, "world_size": world}})
-    plan.parts.append(FilePart("model.local_rank0.safetensors", {"w": torch.arange(6.0)}, [("k", "v")]))
+    plan = SavePlan(mode="full", step=step, counts={"layout": LAYOUT, LAYOUT: {"rank": rank, "world_size": world}})
+    plan.parts.append(FilePart(f"model.local_rank{rank}.safetensors", {"w": torch.arange(6.0)}, [("k", "v")]))
     save = tier.begin(step=step)
     save.write(plan)
     save.commit()
@@ -38,6 +38,16 @@ def test_snapshot_of_another_world_size_is_skipped_with_a_warning(tmp_path):
     assert snapshot_world(tier.folder / "checkpoint_4") == 2
     with pytest.warns(TierSkippedWarning, match=r"memory tier.*step 4.*saved by 2 processes, this run has 4"):
         report = survey(tier, tmp_path / "proj", None, None, rank=0, threads=1, world=4)
+    assert report["memory"] is None
+    assert survey(tier, tmp_path / "proj", None, None, rank=0, threads=1, world=2)["memory"] == 4
+
+
+def test_snapshot_of_another_rank_is_skipped_with_a_warning(tmp_path):
+    """One memory= path on every node and ranks placed anew after a restart: the shards of rank 0 found where
+    rank 1's are kept are skipped (the durable tier restores the step), never a restore that fails on every rank."""
+    tier = snapshot(tmp_path / "mem", step=4, world=2, rank=0)
+    with pytest.warns(TierSkippedWarning, match=r"memory tier.*step 4.*local shards of rank 0, found where rank 1"):
+        report = survey(tier, tmp_path / "proj", None, None, rank=1, threads=1, world=2)
     assert report["memory"] is None
     assert survey(tier, tmp_path / "proj", None, None, rank=0, threads=1, world=2)["memory"] == 4
 

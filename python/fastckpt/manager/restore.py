@@ -44,7 +44,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TierSkippedWarning,
 )
-from fastckpt.manager.sharded import plan_local_restore, snapshot_world
+from fastckpt.manager.sharded import plan_local_restore, snapshot_owner
 from fastckpt.manager.state import plan_restore, read_objects
 
 __all__ = ["Candidate", "restore_single", "restore_multi", "TIERS"]
@@ -205,10 +205,13 @@ def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_option
     """What this process can restore from: ``{"memory": step|None, "held": {src: step}, "local": [steps visible],
     "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c), the durable
     tiers only listed (rank 0 checks the one :func:`decide` needs)."""
-    def check(c: Candidate) -> None:
-        saved = snapshot_world(c.folder)  # a rank's local shards (FSDP2): this world size only
-        if saved is not None and saved != world:
-            raise MissingStateError(f"a snapshot of local shards saved by {saved} processes, this run has {world}")
+    def check(c: Candidate, owner: int = rank) -> None:
+        saved = snapshot_owner(c.folder)  # a rank's local shards (FSDP2): that rank of this world size only
+        if saved is not None and saved[1] != world:
+            raise MissingStateError(f"a snapshot of local shards saved by {saved[1]} processes, this run has {world}")
+        if saved is not None and saved[0] != owner:  # e.g. one memory= path on every node, ranks placed anew
+            raise MissingStateError(f"a snapshot of the local shards of rank {saved[0]}, found where rank {owner}'s "
+                                    "are kept")
         verify_checkpoint(c.folder, threads=threads)
 
     skipped: list[str] = []
@@ -218,7 +221,7 @@ def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_option
         for src in replica_sources(memory.root):
             tier = replica_tier(memory.root, src)
             c = _newest_intact([Candidate(x.step or 0, "peer", x.location, Path(x.location)) for x in tier.list()],
-                               check, project, skipped)
+                               lambda c, src=src: check(c, src), project, skipped)
             if c is not None:
                 held[src] = c.step
     rc = remote_candidate(remote, storage_options) if rank == 0 else None

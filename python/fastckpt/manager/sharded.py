@@ -49,7 +49,8 @@ from fastckpt._state.sharded import (
 from fastckpt.errors import MissingStateError, ShapeMismatchError
 from fastckpt.manager.state import Registered, add_objects, read_objects
 
-__all__ = ["LAYOUT", "local_plan", "snapshot_world", "plan_local_restore", "save_durable", "save_step"]
+__all__ = ["LAYOUT", "local_plan", "snapshot_world", "snapshot_owner", "plan_local_restore", "save_durable",
+           "save_step"]
 
 #: the manifest's ``layout`` of a rank's local-shards snapshot (``local_shards``: ``{"rank", "world_size", ...}``)
 LAYOUT = "local_shards"
@@ -118,11 +119,21 @@ def local_plan(models: list, optimizers: list, schedulers: list, objects: list[R
 
 def snapshot_world(folder: Path) -> int | None:
     """The world size of the local-shards snapshot in ``folder``; None for any other checkpoint."""
+    owner = snapshot_owner(folder)
+    return None if owner is None else owner[1]
+
+
+def snapshot_owner(folder: Path) -> tuple[int, int] | None:
+    """``(rank, world size)`` of the local-shards snapshot in ``folder`` (whose shards it holds); None for any
+    other checkpoint."""
     try:
         info = read_manifest(folder, check_sizes=False).get(LAYOUT)
     except (MissingStateError, ValueError, OSError):
         return None
-    return int(info["world_size"]) if isinstance(info, dict) else None
+    try:
+        return (int(info["rank"]), int(info["world_size"])) if isinstance(info, dict) else None
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 @dataclass
