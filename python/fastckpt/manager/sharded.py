@@ -33,10 +33,10 @@ import torch
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.storage.local.folder import open_safetensors, read_fresh
+from fastckpt._io.storage.local.folder import open_safetensors, read_checked_json, read_fresh
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, part_name, random_states_name, read_manifest
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
-from fastckpt._plan.sharded_load import ShardedLoad, _assemble, _read_json
+from fastckpt._plan.sharded_load import ShardedLoad, assemble_load
 from fastckpt._plan.sharded_save import save_sharded
 from fastckpt._state.rng import read_rng_state
 from fastckpt._state.sharded import (
@@ -231,7 +231,7 @@ def plan_local_restore(folder: Path, models: list, optimizers: list, schedulers:
         served.append(s)
     for j, opt in enumerate(optimizers):
         base = part_name("optimizer", j, "")
-        saved = _read_json(folder, base + ".json", f"optimizer {j}", records_of.get(base + ".json"))
+        saved = read_checked_json(folder, base + ".json", f"optimizer {j}", records_of.get(base + ".json"))
         owner = owner_model(opt, models, base)
         file = open_safetensors(folder / _file(base, rank))
         where = str(folder / _file(base, rank))
@@ -243,12 +243,12 @@ def plan_local_restore(folder: Path, models: list, optimizers: list, schedulers:
         saved_optimizers.append((owner, opt, base, opt_info))
     for k, sched in enumerate(schedulers):
         name = part_name("scheduler", k, ".json")
-        data = _read_json(folder, name, f"scheduler {k}", records_of.get(name))
+        data = read_checked_json(folder, name, f"scheduler {k}", records_of.get(name))
         load.schedulers.append((sched, decode_json(data, f"{folder / name}: not a valid fastckpt scheduler state")))
     load.rng = read_rng_state(open_safetensors(folder / random_states_name(rank)))
     load.step = load.rng.step
     load.objects += read_objects(folder, objects, rank=rank)
-    return _assemble(load, dest, models, served, saved_optimizers)
+    return assemble_load(load, dest, models, served, saved_optimizers)
 
 
 def save_durable(models: list, optimizers: list, schedulers: list, objects: list[Registered], *, project: Path,
