@@ -64,15 +64,16 @@ def test_sharded_step_needing_the_durable_tier_is_restored_from_it_by_every_rank
 
 
 ONE_PROCESS = """
-import json, shutil, socket
+import json, shutil, warnings
 import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 import fastckpt
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-def make(seed):
+def make(seed, mesh=None):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    fully_shard(m)
+    fully_shard(m, mesh=mesh)
     o = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 4)).sum().backward()
     o.step()
@@ -88,11 +89,16 @@ m, o = make(0)
 saved = state(m, o)
 fastckpt.CheckpointManager({proj!r}, m, o, memory={mem!r}).save_now(3)  # a crash: its memory tier stays
 res = {{}}
-for source in ("memory", "local"):
-    m2, o2 = make(1)
+hsdp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+for source, mesh in (("other_mesh", hsdp), ("memory", None), ("local", None)):
+    m2, o2 = make(1, mesh)
     mgr = fastckpt.CheckpointManager({proj!r}, m2, o2, memory={mem!r})
-    res[source] = [mgr.restore(), mgr.restored_from, same(state(m2, o2), saved)]
-    shutil.rmtree({mem!r} + "/checkpoints", ignore_errors=True)  # next: the durable tier
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res[source] = [mgr.restore(), mgr.restored_from, same(state(m2, o2), saved),
+                       [f"{{w.category.__name__}}: {{w.message}}" for w in caught]]
+    if source == "memory":
+        shutil.rmtree({mem!r} + "/checkpoints")  # next: the durable tier
 print(json.dumps(res))
 dist.destroy_process_group()
 """
@@ -101,11 +107,18 @@ dist.destroy_process_group()
 def test_one_process_sharded_run_restores_its_memory_and_durable_tiers(tmp_path):
     """FSDP2 in a 1-process group: the manager's restore reads its local-shards snapshot (memory tier) and its
     sharded durable checkpoint, as the multi-process restore does (it read them as one-process folders and
-    raised MissingStateError for model.safetensors)."""
+    raised MissingStateError for model.safetensors). A model sharded another way since (an HSDP mesh: other
+    placements, same world size) skips the memory tier with a TierSkippedWarning naming both shardings and
+    restores the step from the durable tier, which DCP reshards (the restore raised ShapeMismatchError)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = run_python(ONE_PROCESS.format(port=port, proj=str(tmp_path / "proj"), mem=str(tmp_path / "mem")))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"memory": [3, "memory", True],
-                                                                "local": [3, "local", True]}
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["memory"] == [3, "memory", True, []] and res["local"] == [3, "local", True, []]
+    assert res["other_mesh"][:3] == [3, "local", True]
+    (warning,) = res["other_mesh"][3]
+    assert warning.startswith("TierSkippedWarning: the memory tier's checkpoint of step 3")
+    assert "model.local_rank0.safetensors: 0.weight was saved with placements (Shard(dim=0),) on a mesh [1], " \
+           "the live one has (Replicate(), Shard(dim=0)) on [1, 1]" in warning

@@ -44,7 +44,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TierSkippedWarning,
 )
-from fastckpt.manager.sharded import plan_local_restore, snapshot_owner
+from fastckpt.manager.sharded import check_sharding, plan_local_restore, snapshot_owner
 from fastckpt.manager.state import plan_restore, read_objects
 
 __all__ = ["Candidate", "restore_single", "restore_multi", "TIERS"]
@@ -201,10 +201,11 @@ def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None], p
 
 
 def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, *, rank: int,
-           threads: int, world: int = 1) -> dict[str, Any]:
+           threads: int, world: int = 1, models: list | None = None) -> dict[str, Any]:
     """What this process can restore from: ``{"memory": step|None, "held": {src: step}, "local": [steps visible],
-    "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c), the durable
-    tiers only listed (rank 0 checks the one :func:`decide` needs)."""
+    "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c; a snapshot of
+    local shards: of this world size and rank, cut as the live sharded ``models`` are), the durable tiers only
+    listed (rank 0 checks the one :func:`decide` needs)."""
     def check(c: Candidate, owner: int = rank) -> None:
         saved = snapshot_owner(c.folder)  # a rank's local shards (FSDP2): that rank of this world size only
         if saved is not None and saved[1] != world:
@@ -213,6 +214,8 @@ def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_option
             raise MissingStateError(f"a snapshot of the local shards of rank {saved[0]}, found where rank {owner}'s "
                                     "are kept")
         verify_checkpoint(c.folder, threads=threads)
+        if saved is not None and models is not None:  # another mesh or placements: the durable tier reshards
+            check_sharding(c.folder, models)
 
     skipped: list[str] = []
     own = None if memory is None else _newest_intact(local_candidates(memory, None), check, project, skipped)
@@ -288,7 +291,8 @@ def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage
     session = Session("CheckpointManager.restore", timeout)
     rank = session.rank
     sharded = is_sharded(objects[0])
-    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads, world=session.world)
+    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads, world=session.world,
+                    models=objects[0] if sharded else None)
     reports = session.gather(report, step="survey")
     choice = session.broadcast(decide(reports, project, threads=threads, together=sharded) if rank == 0 else None,
                                step="decide")

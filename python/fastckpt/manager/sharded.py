@@ -49,8 +49,8 @@ from fastckpt._state.sharded import (
 from fastckpt.errors import MissingStateError, ShapeMismatchError
 from fastckpt.manager.state import Registered, add_objects, read_objects
 
-__all__ = ["LAYOUT", "local_plan", "snapshot_world", "snapshot_owner", "plan_local_restore", "save_durable",
-           "save_step"]
+__all__ = ["LAYOUT", "local_plan", "snapshot_world", "snapshot_owner", "check_sharding", "plan_local_restore",
+           "save_durable", "save_step"]
 
 #: the manifest's ``layout`` of a rank's local-shards snapshot (``local_shards``: ``{"rank", "world_size", ...}``)
 LAYOUT = "local_shards"
@@ -134,6 +134,30 @@ def snapshot_owner(folder: Path) -> tuple[int, int] | None:
         return (int(info["rank"]), int(info["world_size"])) if isinstance(info, dict) else None
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def check_sharding(folder: Path, models: list) -> None:
+    """Whether the local-shards snapshot in ``folder`` was cut as the live ``models`` are (each DTensor's placements
+    and mesh shape; a key the live models lack is left to the restore's own checks).
+
+    Raises:
+        MissingStateError: a tensor saved with other placements or on a mesh of another shape (names the file, the
+            tensor and both): only the durable tier, which DCP reshards, can restore it.
+    """
+    owner = snapshot_owner(folder)
+    if owner is None:
+        return
+    for i, m in enumerate(models):
+        where = folder / _file(part_name("model", i, ""), owner[0])
+        if not where.is_file():
+            return  # the restore names it
+        records = _records(open_safetensors(where), str(where))
+        for key, t in model_tensors(m, "")[0].items():
+            rec, live = records.get(key), _local(t)[1]
+            if rec is not None and (rec.get("placements"), rec.get("mesh")) != (live["placements"], live.get("mesh")):
+                raise MissingStateError(f"{where}: {key} was saved with placements {rec.get('placements')} on a mesh "
+                                        f"{rec.get('mesh')}, the live one has {live['placements']} on "
+                                        f"{live.get('mesh')}; the memory tier restores the same sharding only")
 
 
 @dataclass
