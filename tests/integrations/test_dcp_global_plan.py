@@ -147,6 +147,22 @@ def test_an_invalid_plan_raises_dcps_error(case):
     assert str(got.value) == str(want.value)
 
 
+@pytest.mark.parametrize("boxes", [[((0,), (2,)), ((2,), (2,))],  # chunks of fewer dims than the tensor
+                                   [((0, 0, 0), (2, 4, 1)), ((2, 0, 0), (2, 4, 1))]])  # of more
+def test_chunks_with_another_number_of_dims_than_their_tensor_merge_or_fail_as_dcp(boxes):
+    """A chunk whose offsets / sizes have another length than the tensor's size: DCP's own check decides (an
+    IndexError for fewer dims, as DCP; the merge's columns misaligned and it raised numpy's ValueError)."""
+    plans = [SavePlan([item("t", o, s, (4, 4))]) for o, s in boxes]
+
+    def outcome(fn):
+        try:
+            return pickle.dumps(fn())
+        except Exception as exc:  # noqa: BLE001 - compared with DCP's
+            return type(exc), str(exc)
+
+    assert outcome(lambda: merge_save_plans(plans)) == outcome(lambda: dcp_result(plans))
+
+
 def test_a_non_shard_item_saved_twice_in_one_plan_is_refused_as_dcp_refuses_it():
     plans = [SavePlan([scalar("s"), scalar("s")])]
     with pytest.raises(AssertionError):

@@ -222,6 +222,8 @@ def _valid(value: TensorStorageMetadata, check_volume: bool) -> bool:
     chunks = value.chunks
     dims = len(value.size)
     count = len(chunks)
+    if {dims} != set(map(len, map(_OFFSETS, chunks))) | set(map(len, map(_SIZES, chunks))):
+        return False  # a chunk of other dimensions than its tensor: DCP's check says what (the columns would misalign)
     offsets = np.fromiter(chain.from_iterable(map(_OFFSETS, chunks)), np.int64, count * dims).reshape(count, dims)
     sizes = np.fromiter(chain.from_iterable(map(_SIZES, chunks)), np.int64, count * dims).reshape(count, dims)
     shape = np.array(value.size, dtype=np.int64)
