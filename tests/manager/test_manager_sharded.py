@@ -22,11 +22,11 @@ from fastckpt.manager.restore import decide, survey
 from fastckpt.manager.sharded import LAYOUT, snapshot_world
 
 
-def snapshot(root, *, step: int, world: int, rank: int = 0) -> MemoryTier:
-    """A committed local-shards snapshot of ``rank`` of ``world`` processes."""
+def snapshot(root, *, step: int, world: int, rank: int = 0, meta=(("k", "v"),)) -> MemoryTier:
+    """A committed local-shards snapshot of ``rank`` of ``world`` processes (``meta``: its model file's metadata)."""
     tier = MemoryTier(root)
     plan = SavePlan(mode="full", step=step, counts={"layout": LAYOUT, LAYOUT: {"rank": rank, "world_size": world}})
-    plan.parts.append(FilePart(f"model.local_rank{rank}.safetensors", {"w": torch.arange(6.0)}, [("k", "v")]))
+    plan.parts.append(FilePart(f"model.local_rank{rank}.safetensors", {"w": torch.arange(6.0)}, list(meta)))
     save = tier.begin(step=step)
     save.write(plan)
     save.commit()
@@ -50,6 +50,17 @@ def test_snapshot_of_another_rank_is_skipped_with_a_warning(tmp_path):
         report = survey(tier, tmp_path / "proj", None, None, rank=1, threads=1, world=2)
     assert report["memory"] is None
     assert survey(tier, tmp_path / "proj", None, None, rank=0, threads=1, world=2)["memory"] == 4
+
+
+@pytest.mark.parametrize("record", ["{not json", "[1]", '{"weight": 3}'])
+def test_snapshot_with_a_malformed_shard_record_is_skipped_with_a_warning(tmp_path, record):
+    """The shard records of a snapshot's model file are checked against the live model before the restore: a record
+    that is no JSON object of objects is a HeaderError (the tier skipped), never json's or Python's own error."""
+    tier = snapshot(tmp_path / "mem", step=4, world=2, meta=[("fastckpt.local_shards", record)])
+    with pytest.warns(TierSkippedWarning, match=r"memory tier.*step 4.*HeaderError.*fastckpt.local_shards record"):
+        report = survey(tier, tmp_path / "proj", None, None, rank=0, threads=1, world=2,
+                        models=[torch.nn.Linear(2, 3)])
+    assert report["memory"] is None
 
 
 def test_sharded_step_needing_the_durable_tier_is_restored_from_it_by_every_rank(tmp_path):

@@ -46,7 +46,7 @@ from fastckpt._state.sharded import (
     optimizer_tensors,
     owner_model,
 )
-from fastckpt.errors import MissingStateError, ShapeMismatchError
+from fastckpt.errors import HeaderError, MissingStateError, ShapeMismatchError
 from fastckpt.manager.state import Registered, add_objects, read_objects
 
 __all__ = ["LAYOUT", "local_plan", "snapshot_world", "snapshot_owner", "check_sharding", "plan_local_restore",
@@ -172,7 +172,13 @@ def _records(file: Any, where: str) -> dict[str, dict[str, Any]]:
     meta = (file.metadata() or {}).get(_META)
     if meta is None:
         raise MissingStateError(f"{where}: no {_META} record; not a CheckpointManager local-shards file")
-    return json.loads(meta)
+    try:
+        records = json.loads(meta)
+    except ValueError:
+        records = None
+    if not isinstance(records, dict) or not all(isinstance(r, dict) for r in records.values()):
+        raise HeaderError(f"{where}: its {_META} record is not a JSON object of one object per tensor")
+    return records
 
 
 def _metadata(file: Any, records: dict[str, dict[str, Any]], where: str) -> dict[str, _Md]:
