@@ -37,7 +37,7 @@ from fastckpt.errors import (
     TruncatedFileError,
     UnsafePickleError,
 )
-from fastckpt.manager import CheckpointManager, Preempted
+from fastckpt.manager import CheckpointManager, Preempted, release_kept
 
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
@@ -75,6 +75,7 @@ __all__ = [
     "RngRestoreWarning",
     "CheckpointManager",
     "Preempted",
+    "release_kept",
     "TierSkippedWarning",
     "MemoryTierFullWarning",
     "ResumeWarning",

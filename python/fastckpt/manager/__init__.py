@@ -10,7 +10,7 @@ background), :mod:`~fastckpt.manager.replicas` (peer replicas), :mod:`~fastckpt.
 from __future__ import annotations
 
 from fastckpt.manager.checkpoint_manager import CheckpointManager
-from fastckpt.manager.preemption import Preempted
+from fastckpt.manager.preemption import Preempted, release_kept
 from fastckpt.manager.schedule import young_daly_interval
 
-__all__ = ["CheckpointManager", "Preempted", "young_daly_interval"]
+__all__ = ["CheckpointManager", "Preempted", "release_kept", "young_daly_interval"]
