@@ -138,3 +138,16 @@ def test_fsdp_lost_node_restores_its_local_shards_from_a_peer_replica(run):
                                                               for r in range(world)]
     assert all(res["fsdp_lost_warnings"] == [] for res in results)
     assert all(res["fsdp_lost_local_equal"] is True and res["fsdp_lost_equal"] is True for res in results)
+
+
+def test_fsdp_recreated_project_skips_the_old_runs_local_shards(run):
+    """The project folder deleted and made again at the same path: the old run's local-shards snapshots in each
+    rank's memory tier belong to another incarnation; every rank skips its own with a warning naming both ids and
+    the run starts over, bit-exact against the reference (it restored step 4 of the deleted run)."""
+    world, out, results = run
+    assert [res["fsdp_reborn_restart"] for res in results] == [[0, None]] * world
+    for res in results:
+        warned = res["fsdp_reborn_warnings"]
+        assert len(warned) == 1 and warned[0].startswith("TierSkippedWarning"), warned
+        assert "earlier incarnation of the project" in warned[0] and "this one is" in warned[0]
+        assert res["fsdp_reborn_equal"] is True

@@ -126,7 +126,7 @@ def test_the_trainer_preemption_signals_are_a_typed_error():
 def test_a_constructor_failing_after_the_claim_leaves_nothing_behind(tmp_path, monkeypatch, where):
     """A failure after the memory tier was claimed (and the project id written, the handler installed) undoes it
     all: no owner file, no folder made, the previous signal handlers back (the owner file stayed in /dev/shm)."""
-    from fastckpt.manager import checkpoint_manager, preemption
+    from fastckpt.manager import preemption, starting
 
     class Boom(Exception):
         pass
@@ -135,9 +135,9 @@ def test_a_constructor_failing_after_the_claim_leaves_nothing_behind(tmp_path, m
         raise Boom(where)
 
     if where == "durable writer":
-        monkeypatch.setattr(checkpoint_manager, "DurableWriter", boom)
+        monkeypatch.setattr(starting, "DurableWriter", boom)
     elif where == "event board":
-        monkeypatch.setattr(checkpoint_manager, "EventBoard", boom)
+        monkeypatch.setattr(starting, "EventBoard", boom)
     else:  # SIGTERM installed, then SIGUSR1 refused
         real = signal.signal
 
@@ -159,11 +159,11 @@ def test_a_constructor_failing_after_the_claim_leaves_nothing_behind(tmp_path, m
 
 def test_a_constructor_failing_on_the_default_memory_tier_leaves_no_owner_file(tmp_path, monkeypatch):
     from fastckpt._io.storage.memory import default_memory_root
-    from fastckpt.manager import checkpoint_manager
+    from fastckpt.manager import starting
 
     monkeypatch.setenv("FASTCKPT_JOB_ID", f"test-failed-constructor-{tmp_path.name}")
     job = default_memory_root(tmp_path / "proj", 0).parent
-    monkeypatch.setattr(checkpoint_manager, "EventBoard", lambda *a: 1 / 0)
+    monkeypatch.setattr(starting, "EventBoard", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         make(tmp_path, memory=True)
     assert not job.exists() and not (tmp_path / "proj").exists()

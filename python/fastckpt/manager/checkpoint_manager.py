@@ -14,14 +14,10 @@ May import: every private layer (layer 5, public package).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import secrets
 import signal
 import time
-import weakref
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,9 +27,7 @@ from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, check_timeo
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt.errors import CheckpointError, DurableSaveError, OptionError, OptionTypeError
-from fastckpt.manager.durable import DurableWriter
 from fastckpt.manager.ending import Ending
-from fastckpt.manager.incarnation import missing_folders, project_id, undo_made
 from fastckpt.manager.options import (
     check_budget,
     check_count,
@@ -43,16 +37,15 @@ from fastckpt.manager.options import (
     check_replicas,
     check_signals,
     check_step,
-    check_writable,
     memory_root,
     typed_option,
 )
-from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
-from fastckpt.manager.replicas import Replicator
+from fastckpt.manager.preemption import Preempted, SignalRecorder
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
 from fastckpt.manager.saving import save_durably, save_memory
 from fastckpt.manager.schedule import Schedule
 from fastckpt.manager.sharded import save_step
+from fastckpt.manager.starting import start, undo_start
 from fastckpt.manager.state import Registered, build_plan, gather_rank_states
 
 __all__ = ["CheckpointManager"]
@@ -100,6 +93,10 @@ class CheckpointManager(Ending):
         OptionTypeError: (an OptionError and a TypeError) an option of the wrong type (``continuous="no"``,
             ``every_n_steps=True``), ``model=[]``. TypeError: a model that is not a module.
         CheckpointError: another process holds the memory tier (names its pid).
+
+    A constructor that fails after the option checks (a collective timing out, another process failing) leaves
+    nothing behind: the memory tier's claim, the folders and the project id file it made, its gloo group and its
+    signal handlers are undone before the error propagates.
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("run", model, optimizer, scheduler, every_n_steps=100)
@@ -158,9 +155,9 @@ class CheckpointManager(Ending):
         self._made: list[Path] = []  # folders and files this constructor made: removed if it fails
         self.project_id: str | None = None  # the project folder's incarnation (manager/incarnation.py)
         try:
-            self._start(root, memory, replicas, keep, storage_options)
+            start(self, root, memory, replicas, keep, storage_options, _managers)
         except BaseException:  # a failed constructor leaves nothing: no claim, handler, folder or group
-            self._undo_start()
+            undo_start(self)
             raise
         self._failure: DurableSaveError | None = None  # rank 0: a durable failure to raise at the agreed step
         self.restored_from: str | None = None
@@ -172,49 +169,6 @@ class CheckpointManager(Ending):
         self.preempted: Preempted | None = None
         self._closed = False
         self._step_seen: int | None = None  # the last step passed to step() / save_now() (or restored)
-
-    def _start(self, root: Path | None, memory: Any, replicas: int, keep: int | None, storage_options: Any) -> None:
-        """Claim, make and install what the manager holds (undone by :meth:`_undo_start` if anything fails)."""
-        if root is not None:
-            self._made += missing_folders(root)
-            check_writable(root, memory)
-            # one run per tier; each snapshot names its project and its incarnation (a restore skips another's)
-            self.memory = MemoryTier(root, project=str(Path(self.project).resolve())).claim()
-        if self.memory is not None and self.rank == 0 and not self.sharded:  # sharded: written in step()
-            self.durable = DurableWriter(self.memory, self.project, keep=keep, remote=self.remote,
-                                         storage_options=storage_options)
-        if self.distributed and (replicas or self.memory is not None):  # every rank makes it (a collective)
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-        if self.distributed and replicas and self.memory is not None:
-            self.replicator = Replicator(self.memory, rank=self.rank, world=self.world, replicas=replicas,
-                                         group=self.group)
-
-        def main() -> tuple[str, str | None]:  # the store keys' name (no earlier launch sharing the store used
-            pid = None  # it: an elastic restart) and the project's incarnation id (the main process writes it)
-            if self.memory is not None:
-                pid, made = project_id(self.project)
-                self._made += made
-            return secrets.token_hex(8), pid
-
-        token, self.project_id = Session("CheckpointManager: naming its store keys", self.timeout).on_main(main)
-        if self.memory is not None:
-            self.memory.project_id = self.project_id
-        store = dist.distributed_c10d._get_default_store() if self.distributed else None
-        self.board = EventBoard(store, f"fastckpt/manager/{_managers}" + (f"/{token}" if self.distributed else ""))
-        self.signals.install()
-        # a manager never closed (dropped, or its close raised) must not keep catching SIGTERM
-        self._finalizer = weakref.finalize(self, self.signals.uninstall)
-
-    def _undo_start(self) -> None:
-        self.signals.uninstall()
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self.memory is not None:
-            self.memory.unclaim()
-        if self.group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
-        undo_made(self._made)
 
     # -- extra state ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any, per_rank: bool = False) -> None:
