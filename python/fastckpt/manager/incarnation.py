@@ -61,6 +61,9 @@ def project_id(project: Path) -> tuple[str, list[Path]]:
                 made.append(path)
             except FileExistsError:
                 pass
+        except OSError as exc:  # name the project's file, not the temporary one
+            raise type(exc)(exc.errno, f"cannot write the project id {path} ({exc.strerror or exc}); the "
+                                       "CheckpointManager's project_dir must be writable", str(path)) from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
