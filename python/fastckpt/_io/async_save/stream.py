@@ -50,30 +50,15 @@ from fastckpt._io.async_save.cancel import CancelToken
 from fastckpt._io.async_save.host_pool import HostBufferPool, Slot, aligned
 from fastckpt._io.async_save.snapshot import _check
 from fastckpt._io.files import SavePlan
-from fastckpt._io.storage.local.shards import parse_size
+from fastckpt._io.sizes import parse_budget
 from fastckpt.errors import ConcurrentModificationError
 
-__all__ = ["SMALL_BYTES", "StreamingSave", "parse_budget", "submit_stream"]
+__all__ = ["SMALL_BYTES", "StreamingSave", "submit_stream"]
 
 #: Tensors smaller than this (bytes) are copied at the call (Adam's ``step`` counters and the like).
 SMALL_BYTES = 64 << 10
 _STREAMED_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                     torch.int16, torch.int8, torch.uint8, torch.bool}
-
-
-def parse_budget(budget: int | str | None) -> int | None:
-    """``host_memory_budget`` in bytes: an int, a string such as ``"4GB"`` (10**9) or ``"512MiB"`` (the units of
-    :func:`fastckpt._io.storage.local.shards.parse_size`), or None.
-
-    Raises:
-        ValueError: a negative number, an unknown unit, or neither int nor str.
-    """
-    if budget is None:
-        return None
-    try:
-        return parse_size(budget, "host_memory_budget", minimum=0)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
 
 
 def _torch_optimizer(opt: Any) -> torch.optim.Optimizer | None:
