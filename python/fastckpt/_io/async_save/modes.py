@@ -132,13 +132,14 @@ class StreamWriter:
 
     def write(self, plan: SavePlan, save: Any, *, options: dict[str, Any] | None = None,
               after: Callable[[], Any] | None = None) -> Any:
+        budget = parse_budget(self._budget)
         if self._proof and has_device_tensors(plan):
-            _check_fits(plan, parse_budget(self._budget), lambda limit, need: (
+            _check_fits(plan, budget, lambda limit, need: (
                 f"host_memory_budget of {limit:,} bytes is below the {need:,} bytes async_save=True copies from "
                 "CUDA at the call; raise the budget, or pass async_save='stream' (writes that bypass torch's "
                 "version counters are then not detected)"))
             return SnapshotWriter().write(plan, save, options=options, after=after)
-        return submit_stream(plan, self._optimizers, save, options=options, budget=self._budget,
+        return submit_stream(plan, self._optimizers, save, options=options, budget=budget,
                              auto_named=save.number is not None, after=after, hash_at_call=self._proof)
 
 

@@ -50,7 +50,6 @@ from fastckpt._io.async_save.cancel import CancelToken
 from fastckpt._io.async_save.host_pool import HostBufferPool, Slot, aligned
 from fastckpt._io.async_save.snapshot import _check
 from fastckpt._io.files import SavePlan
-from fastckpt._io.sizes import parse_budget
 from fastckpt.errors import ConcurrentModificationError
 
 __all__ = ["SMALL_BYTES", "StreamingSave", "submit_stream"]
@@ -341,7 +340,7 @@ class StreamingSave:
 
 
 def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: dict[str, Any] | None = None,
-                  budget: int | str | None = None, auto_named: bool = False,
+                  budget: int | None = None, auto_named: bool = False,
                   after: Callable[[], Any] | None = None, hash_at_call: bool = False) -> Any:
     """Start a streaming async save of ``plan`` on the default saver's writer thread; returns its ``AsyncSave``.
 
@@ -351,25 +350,25 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: 
         save: the staged save to write and commit (as :meth:`fastckpt._io.async_save.writer.AsyncSaver.submit`):
             ``save.write(plan, **options, before_commit=..., progress=... | ready=...)``, then ``save.commit()``.
         options: passed to ``save.write`` (``durable``, ``threads``).
-        budget: ``host_memory_budget`` (bytes, ``"4GB"``, or None for as needed).
+        budget: ``host_memory_budget`` in bytes (parsed by the writer,
+            :class:`~fastckpt._io.async_save.modes.StreamWriter`), or None for as needed.
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
         after: run on the writer thread after a successful commit (rotation).
         hash_at_call: hash the streamed tensors at the call and refuse to commit other bytes
             (:mod:`fastckpt._io.async_save.call_hashes`).
 
     Raises:
-        ValueError / DtypeError: a tensor the format cannot hold, a bad budget (before anything is copied).
+        ValueError / DtypeError: a tensor the format cannot hold (before anything is copied).
     """
     import time
 
     from fastckpt._io.async_save.writer import committed_path, default_saver
 
-    limit = parse_budget(budget)
     saver = default_saver()
     if auto_named:
         saver.reserve(save)
     start = time.perf_counter()
-    stream = StreamingSave(plan, optimizers, save.target, saver.pool, limit, hash_at_call=hash_at_call)
+    stream = StreamingSave(plan, optimizers, save.target, saver.pool, budget, hash_at_call=hash_at_call)
     blocked = time.perf_counter() - start
 
     token = CancelToken(save.target)
