@@ -177,7 +177,7 @@ def check_budget(budget: Any) -> int | None:
     """
     if budget is None:
         return None
-    from fastckpt._io.storage.local.shards import parse_size
+    from fastckpt._io.sizes import parse_size
 
     return typed_option(parse_size, budget, "host_memory_budget")
 
