@@ -9,14 +9,13 @@ every rank from the one save the main process picked (:func:`load_sharded`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fastckpt._io.group.distributed import Session, process_rank
-from fastckpt._io.storage.base import Storage
+from fastckpt._io.storage.base import PartView, Storage
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
@@ -80,15 +79,18 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
 
 def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                        strict: bool, threads: int, verify: bool, timeout: float,
-                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str], list[str]]:
+                       parts: Callable[[str], PartView] | None = None,
+                       location: str | None = None) -> tuple[list[str], list[str], list[str]]:
     """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys, skipped)``
     (``skipped``: :attr:`~fastckpt.LoadResult.skipped`'s lines).
 
-    ``remote``: ``folder`` is that opened ``s3://`` checkpoint's folder, holding its small files and each part's
-    ``dcp_metadata.json``; each part's reader fetches the shard objects this rank's boxes come from."""
+    ``parts``: ``folder`` holds the opened checkpoint's small files and each part's index (an ``s3://``
+    checkpoint's, in memory: :attr:`~fastckpt._io.storage.base.CheckpointView.parts`); each part's reader reads
+    through ``parts(name)``, fetching the shard objects this rank's boxes come from. ``location``: how errors
+    name the checkpoint (None: ``folder``)."""
     from fastckpt.errors import MissingStateError
 
-    session = Session(f"load_state from {remote.url if remote is not None else folder.absolute()}", timeout)
+    session = Session(f"load_state from {location if location is not None else folder.absolute()}", timeout)
     mode = None if is_sharded_checkpoint(folder) else _saved_mode(folder)
     if mode == "model_only" and not model_only and (optimizers or schedulers):
         raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer or scheduler state; "
@@ -108,10 +110,10 @@ def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers:
 
         warn_unrestored(folder, session.world, stacklevel=4)
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                             session=session, reader_factory=dcp_storage_reader if remote is None else
-                             functools.partial(_remote_part_reader, remote),
+                             session=session, reader_factory=dcp_storage_reader if parts is None else
+                             functools.partial(_part_reader, parts),
                              rng_rank=None if model_only else session.rank, failed=error, verify=verify,
-                             threads=threads, listed=remote is not None)
+                             threads=threads, listed=parts is not None)
     plan.apply()
     return plan.missing_keys, plan.unexpected_keys, plan.skipped
 
@@ -126,14 +128,14 @@ def load_sharded(storage: Storage, models: list, optimizers: list, schedulers: l
     with storage.open_shared(model_only=model_only, timeout=timeout, what="load_state") as view:
         return load_sharded_state(view.path, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                   threads=threads, verify=verify and not view.checked, timeout=timeout,
-                                  remote=view.extra.get("remote"))
+                                  parts=view.parts, location=view.location)
 
 
-def _remote_part_reader(remote: RemoteCheckpoint, folder: Path, checksums: dict[str, Any] | None = None, *,
-                        verify: bool = True, threads: int = 0) -> Any:
-    """:func:`dcp_storage_reader` for the part ``folder.name`` of the opened ``s3://`` checkpoint ``remote``."""
+def _part_reader(parts: Callable[[str], PartView], folder: Path, checksums: dict[str, Any] | None = None, *,
+                 verify: bool = True, threads: int = 0) -> Any:
+    """:func:`dcp_storage_reader` for the part ``folder.name`` of an opened checkpoint, read through ``parts``."""
     reader = dcp_storage_reader(folder, checksums, verify=verify, threads=threads)
-    reader.attach_remote(remote, folder.name)
+    reader.attach(parts(folder.name))
     return reader
 
 
