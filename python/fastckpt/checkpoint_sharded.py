@@ -16,7 +16,6 @@ from typing import Any
 from fastckpt._io.group.distributed import Session, process_rank
 from fastckpt._io.storage.base import PartView, Storage
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 
@@ -46,8 +45,9 @@ def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *,
 def save_sharded_state(models: list, optimizers: list, schedulers: list, *, storage: Storage, model_only: bool,
                        total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any,
                        compat: Any, async_save: bool, timeout: float) -> Path | str:
-    """Save sharded models (and their optimizers, schedulers) from every rank; returns the committed folder (an
-    ``s3://`` ``output_dir`` / ``project_dir``: the checkpoint's URL)."""
+    """Save sharded models (and their optimizers, schedulers) from every rank into ``storage``
+    (:func:`fastckpt._plan.sharded_save.save_sharded`: open, every rank writes its parts, commit), then rotate;
+    returns the committed folder (an ``s3://`` ``output_dir`` / ``project_dir``: the checkpoint's URL)."""
     for name, value in (("max_shard_size", None if model_only else max_shard_size), ("compat", compat)):
         if value is not None:
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
@@ -59,22 +59,12 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
     if async_save:
         raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
                          "save with async_save=False")
-    if storage.tier == "remote":  # every rank writes its shards straight to object storage; the main one commits
-        url, project, options = storage.url, storage.project, storage.storage_options
-        remote = ObjectSave(url, project if url is None else None, model_only=model_only, storage_options=options)
-        saved = save_sharded(models, optimizers, schedulers, target=remote, model_only=model_only, step=step,
-                             durable=durable, threads=threads, timeout=timeout, max_shard_size=max_shard_size,
-                             writer_factory=functools.partial(dcp_storage_writer, storage_options=options))
-        if url is None and total_limit is not None and process_rank() == 0:
-            remote.rotate(total_limit)
-        return saved
-    target = storage.begin(model_only=model_only, step=step).location
-    path = save_sharded(models, optimizers, schedulers, target=Path(target).absolute(), model_only=model_only,
-                        step=step, durable=durable, threads=threads, timeout=timeout,
-                        writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
+    saved = save_sharded(models, optimizers, schedulers, storage=storage, model_only=model_only, step=step,
+                         durable=durable, threads=threads, timeout=timeout, max_shard_size=max_shard_size,
+                         writer_factory=dcp_storage_writer)
     if total_limit is not None and process_rank() == 0:
-        storage.rotate(total_limit)  # the full checkpoints (a named folder is never rotated)
-    return path
+        storage.rotate(total_limit, model_only=model_only)  # automatic naming: the oldest of this kind go
+    return saved.named
 
 
 def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,

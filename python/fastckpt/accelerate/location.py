@@ -26,10 +26,10 @@ from typing import Any
 from fastckpt._io.group.distributed import agree, broadcast_from_main, gather_to_main, on_main
 from fastckpt._io.storage import Storage, resolve
 from fastckpt._io.storage.base import CheckpointView, Committed, StagedSave
-from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, MODEL_ONLY_DIR
 from fastckpt.errors import CheckpointChangedError, MissingStateError
 
-__all__ = ["checkpoint_storage", "check_remote_save", "begin_save", "named", "fetched_on_every_rank",
+__all__ = ["checkpoint_storage", "check_remote_save", "begin_save", "shared_name", "named", "fetched_on_every_rank",
            "set_iteration"]
 
 
@@ -54,11 +54,11 @@ def checkpoint_storage(accelerator: Any, folder: Any, what: str) -> Storage:
 
 def check_remote_save(storage: Storage, *, fsdp: str | None, async_save: Any, share_unchanged: bool,
                       hooks: list) -> None:
-    """Raises ValueError for what a save whose checkpoints are no local folders (``s3://``) does not do (yet)."""
+    """Raises ValueError for what a save whose checkpoints are no local folders (``s3://``) does not do (yet): an
+    async save (its writer thread writes a local folder), ``share_unchanged`` (hard links) and save pre-hooks (they
+    write into a local folder). FSDP2 states save to either (every process uploads its own shards)."""
     if storage.tier == "local":
         return
-    if fsdp is not None:
-        raise ValueError("FSDP2 states do not save to s3:// yet; save to a local folder (then upload it)")
     if async_save:
         raise ValueError("async_save does not apply to s3:// with fastckpt.accelerate yet; save with "
                          "async_save=False, or use fastckpt.save_state(..., remote=) for a tiered save")
@@ -90,6 +90,30 @@ def begin_save(accelerator: Any, storage: Storage, named_folder: bool, *, model_
     n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
     save = storage.begin(f"{CHECKPOINTS_DIR}/checkpoint_{n}", step=step)
     return save, save.location, n
+
+
+def shared_name(accelerator: Any, storage: Storage, named_folder: bool, *,
+                model_only: bool) -> tuple[str | None, int | None]:
+    """(the checkpoint's name inside ``storage`` or None for the named folder, n of an automatic ``checkpoint_{n}``
+    or None) of a save every process writes (FSDP2 ``SHARDED_STATE_DICT``), by accelerate's rules: a full save
+    goes to ``checkpoints/checkpoint_{n}`` (n = max(``iteration``, largest committed + 1)), a model-only save to
+    the next ``model_only/checkpoint_{n}``. Runs on the main process.
+
+    Raises:
+        ValueError: no folder and no ``automatic_checkpoint_naming``.
+    """
+    config = accelerator.project_configuration
+    if named_folder:
+        return None, None
+    if not config.automatic_checkpoint_naming:
+        raise ValueError("output_dir is required unless the Accelerator's ProjectConfiguration has "
+                         "automatic_checkpoint_naming=True")
+    numbers = [c.number for c in storage.list(model_only=model_only, full_only=False) if c.number is not None]
+    if model_only:
+        n = max(numbers) + 1 if numbers else 0
+        return f"{MODEL_ONLY_DIR}/checkpoint_{n}", n
+    n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
+    return f"{CHECKPOINTS_DIR}/checkpoint_{n}", n
 
 
 def named(committed: Committed | CheckpointView) -> Path | str:

@@ -41,8 +41,8 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
     rotates; every process advances ``ProjectConfiguration.iteration``. Returns the folder, the async handle, or
     the ``s3://`` URL."""
     if fsdp == "SHARDED_STATE_DICT":
-        return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
-                             timeout=timeout)
+        return save_sharded_state(accelerator, storage, output_dir, model_only=model_only, durable=durable,
+                                  threads=threads, timeout=timeout)
     if max_shard_size is UNSET:
         max_shard_size = None if compat else DEFAULT_MAX_SHARD_SIZE
     elif compat and max_shard_size is not None:

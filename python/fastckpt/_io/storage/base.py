@@ -21,10 +21,13 @@ verb                        meaning
 ``Storage.begin_part()``    open a save of one folder of files that several processes write (fastckpt.dcp's writer)
 ``Storage.join_part(t)``    the same save on another process, from the opener's ``token``
 ``Storage.open_part()``     the committed files of one such folder for a reader that opens them one by one
+``Storage.begin_shared()``  open a whole checkpoint every process of a group writes its parts into (a sharded save)
+``Storage.join_shared(t)``  the same save on another process, from the opener's ``token``
 ==========================  ==========================================================================================
 
-The last three (:class:`PartStorage`) are what ``fastckpt.dcp``'s ``StorageWriter`` / ``StorageReader`` speak: DCP
-writes per process and per file, below what a whole-checkpoint :class:`StagedSave` offers.
+The last five (:class:`PartStorage`) are what several processes writing one checkpoint speak: ``fastckpt.dcp``'s
+``StorageWriter`` / ``StorageReader`` (per process and per file, below what a :class:`StagedSave` offers) and the
+sharded save, whose processes each write their DCP parts into a :class:`SharedSave`.
 
 Conventions (what the conformance suite, ``tests/io/test_storage_conformance.py``, checks of every backend): a save
 that was not committed is never listed and never opened; a commit either makes the whole save visible or raises and
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Committed", "CheckpointView", "PartSave", "PartStorage", "PartView", "StagedSave", "Storage"]
+__all__ = ["Committed", "CheckpointView", "PartSave", "PartStorage", "PartView", "SharedSave", "StagedSave", "Storage"]
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,39 @@ class PartView(Protocol):
 
 
 @runtime_checkable
+class SharedSave(Protocol):
+    """A whole checkpoint every process of a group writes into (a sharded save): opened by the main process
+    (:meth:`PartStorage.begin_shared`), joined by the others from its :attr:`token`; each process writes its DCP
+    parts at :meth:`part` (a ``fastckpt.dcp`` ``StorageWriter(commit=False)`` there), then the main process commits
+    the small files and the manifest last."""
+
+    #: how errors name it (the checkpoint's folder or URL, picked by the opener)
+    location: str
+    #: what another process joins it by (picklable)
+    token: Any
+    #: the staging folder every process sees (a local save's), or None when the processes share no folder (an
+    #: object store's: a model-only save gathers the full state to the main process instead of assembling it)
+    folder: Path | None
+    #: the settings a part's writer resolves :meth:`part` with (S3 endpoint, credentials...; None locally)
+    storage_options: Mapping[str, Any] | None
+
+    def part(self, name: str) -> Path | str:
+        """Where part ``name`` (``model``, ``optimizer_1``...) is written: a folder or a URL prefix in the save."""
+        ...
+
+    def commit(self, plan: Any, sharded: dict[str, Any] | None, *, durable: bool = True, threads: int = 0,
+               checksums: dict[str, dict[str, Any]] | None = None) -> Committed:
+        """Main process: write ``plan``'s files, then the manifest last (``sharded``: its ``"sharded"`` entry,
+        whose ``files`` the processes wrote; ``checksums``: of files already staged), and make the save visible in
+        one step. Raises (ConcurrentSaveError, OSError...) and commits nothing if it cannot."""
+        ...
+
+    def abort(self) -> None:
+        """Drop what the opener staged (after a commit: nothing; on a joined process: nothing). Never raises."""
+        ...
+
+
+@runtime_checkable
 class PartStorage(Protocol):
     """A :class:`Storage` that serves :class:`PartSave` / :class:`PartView` (local folders and ``s3://``)."""
 
@@ -298,6 +334,15 @@ class PartStorage(Protocol):
     def open_part(self) -> PartView:
         """The committed files at the storage's named location (the newest committed save of an object store's).
         Raises MissingStateError when nothing is committed there (a folder: its files are checked as read)."""
+        ...
+
+    def begin_shared(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> SharedSave:
+        """Main process: open a :class:`SharedSave` of the named checkpoint, ``name`` inside the storage, or its
+        next ``checkpoint_{n}`` (as :meth:`Storage.begin` picks). Raises OSError / ValueError, nothing staged."""
+        ...
+
+    def join_shared(self, token: Any) -> SharedSave:
+        """Every other process: the save the main process opened (its :attr:`SharedSave.token`)."""
         ...
 
 

@@ -28,7 +28,7 @@ from fastckpt._io.storage.local.numbering import (
     remove_checkpoint_dir,
     rotate_checkpoints,
 )
-from fastckpt._io.storage.local.parts import LocalPartSave, LocalPartView
+from fastckpt._io.storage.local.parts import LocalPartSave, LocalPartView, LocalSharedSave
 from fastckpt.errors import MissingStateError
 
 __all__ = ["LocalStorage", "LocalStagedSave", "check_input_dir"]
@@ -212,6 +212,15 @@ class LocalStorage:
         tool reports it), or the newest committed checkpoint of the project (:meth:`locate`)."""
         folder = self.folder if ref is None and self.folder is not None else self.locate(ref, model_only=model_only)
         yield CheckpointView(location=str(folder), folder=folder, path=folder, tier=self.tier)
+
+    def begin_shared(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> LocalSharedSave:
+        """Main process: a save every process writes its parts into (:class:`.parts.LocalSharedSave`): the named
+        folder, ``name`` in the project, or the next ``checkpoint_{n}`` of its kind; a staging folder beside it."""
+        return LocalSharedSave(self.begin(name, model_only=model_only, step=step).target, model_only=model_only)
+
+    def join_shared(self, token: Any) -> LocalSharedSave:
+        """Every other process: the save the main process opened (its staging folder, from ``token``)."""
+        return LocalSharedSave.join(token)
 
     def _part_folder(self) -> Path:
         if self.folder is None:

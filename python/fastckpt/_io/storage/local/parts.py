@@ -6,6 +6,10 @@ A committed part save (``commit=True``) is written into a staging folder beside 
 files and the manifest last, fsyncs and puts the folder in place in one step (``_core.commit_dir``). With
 ``commit=False`` the files go straight into the folder (inside a save an outer save commits).
 
+A whole checkpoint several processes write (a sharded save, :class:`LocalSharedSave`) is staged the same way: the
+main process opens the staging folder, every process writes its DCP parts into a subfolder of it, and the main
+process writes the small files and the manifest, carries over the user's own files and commits it in one step.
+
 May import: what this sub-package's ``__init__`` lists.
 """
 
@@ -13,18 +17,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fastckpt import _core
+from fastckpt._format.json_input import load_json
 from fastckpt._format.tensors import tensor_sources
+from fastckpt._io.files import SavePlan
+from fastckpt._io.storage.base import Committed
 from fastckpt._io.storage.local.commit import check_target, fsync_dir, write_text
-from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
+from fastckpt._io.storage.local.integrity import digest_entry, text_entry
+from fastckpt._io.storage.local.layout import MANIFEST, manifest_dict, read_manifest
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
 
-__all__ = ["LocalPartSave", "LocalPartView"]
+__all__ = ["LocalPartSave", "LocalPartView", "LocalSharedSave", "parts_of"]
 
 
 class LocalPartSave:
@@ -130,3 +139,106 @@ class LocalPartView:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class LocalSharedSave:
+    """A whole checkpoint every process writes into (a sharded save; see the module docs): opened by the main
+    process (``staging=None``: it makes the staging folder beside ``target``), joined by the others from its
+    :attr:`token`. Its :attr:`folder` is the staging folder every process sees."""
+
+    storage_options = None
+
+    def __init__(self, target: Path, *, model_only: bool = False, staging: Path | None = None) -> None:
+        self.target = check_target(target)
+        self.location = str(self.target)
+        self.model_only = model_only
+        self._owner: OwnedPath | None = None
+        if staging is None:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(self.target.parent)
+            owner = OwnedPath(self.target.parent, self.target.name)
+            owner.path.mkdir()
+            self._owner = owner
+            staging = owner.path
+        self.folder: Path | None = staging
+
+    @property
+    def token(self) -> tuple[str, str, bool]:
+        """What another process joins the save by: ``(target, staging folder name, model_only)``."""
+        assert self.folder is not None
+        return str(self.target), self.folder.name, self.model_only
+
+    @classmethod
+    def join(cls, token: tuple[str, str, bool]) -> LocalSharedSave:
+        """Every other process: the save the main process opened."""
+        target = Path(token[0])
+        return cls(target, model_only=token[2], staging=target.parent / token[1])
+
+    def part(self, name: str) -> Path:
+        """The subfolder part ``name`` (``model``, ``optimizer_1``, ...) is written into."""
+        assert self.folder is not None
+        return self.folder / name
+
+    def commit(self, plan: SavePlan, sharded: dict[str, Any] | None, *, durable: bool = True, threads: int = 0,
+               checksums: dict[str, dict[str, Any]] | None = None) -> Committed:
+        """Main process: write ``plan``'s files and the manifest into the staging folder (which holds the parts),
+        carry over the user's files of the target, commit it in one step.
+
+        ``sharded``: the manifest's ``"sharded"`` entry (None: the folder holds no DCP parts); ``checksums``: those
+        of files already in the staging folder."""
+        staging = self.folder
+        assert staging is not None
+        jobs = [(str(staging / p.name), tensor_sources(p.tensors), p.metadata) for p in plan.parts]
+        digests = _core.write_files_checked(jobs, durable=durable, threads=threads, ready=None)
+        checksums = {**(checksums or {}), **{p.name: digest_entry(d) for p, d in zip(plan.parts, digests)}}
+        for name, text in plan.texts.items():
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+            write_text(staging / name, data, durable)
+            checksums[name] = text_entry(data)
+        files = {p.name: p.stat().st_size for p in staging.iterdir() if p.is_file()}
+        counts = plan.counts if sharded is None else {**plan.counts, "sharded": sharded}
+        manifest = manifest_dict(plan.mode, files, counts, plan.step, checksums=checksums)
+        _carry_user_files(self.target, staging)
+        write_text(staging / MANIFEST, json.dumps(manifest, indent=2), durable)
+        if durable:
+            fsync_dir(staging)
+        _core.commit_dir(str(staging), str(self.target), durable=durable)
+        return Committed(str(self.target), None, plan.step, self.model_only, self.target)
+
+    def abort(self) -> None:
+        """Release the staging folder this process opened: after the commit nothing is left there; otherwise the
+        partial folder goes (idempotent; a joined save owns nothing)."""
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
+
+
+def parts_of(folder: Path) -> set[str]:
+    """The DCP part subfolders a sharded checkpoint's manifest names (never carried over as user files)."""
+    try:
+        sharded = load_json((folder / MANIFEST).read_text(), f"{folder / MANIFEST}", object).get("sharded", {})
+        return {str(p) for p in sharded.get("parts", [])}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _carry_user_files(target: Path, staging: Path) -> None:
+    """Hard-link into ``staging`` the files the user keeps in ``target``: those its manifest does not list."""
+    try:
+        listed = set(load_json((target / MANIFEST).read_text(), f"{target / MANIFEST}", object)["files"]) | {MANIFEST}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = {MANIFEST}
+    try:
+        entries = list(target.iterdir()) if target.is_dir() else []
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.name in listed or (staging / entry.name).exists() or entry.name in parts_of(target):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, staging / entry.name, symlinks=True, copy_function=os.link)
+            else:
+                os.link(entry, staging / entry.name, follow_symlinks=False)
+        except FileNotFoundError:
+            continue

@@ -26,6 +26,7 @@ from fastckpt._io.storage.object.commit import committed_manifest, delete_checkp
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
 from fastckpt._io.storage.object.parts import ObjectPartSave, ObjectPartView
 from fastckpt._io.storage.object.project import object_checkpoints, rotate_object_checkpoints
+from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._io.storage.object.store import ObjectUrl, open_store, parse_url
 
 __all__ = ["ObjectStorage", "ObjectStagedSave"]
@@ -192,6 +193,22 @@ class ObjectStorage:
         found, save_id = pick_remote(self.url, self.project, model_only=model_only,
                                      storage_options=self.storage_options)
         return str(found), save_id
+
+    def begin_shared(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> ObjectSave:
+        """Main process: a save every process uploads its parts into (:class:`.sharded.ObjectSave`): the named
+        checkpoint, ``name`` under the project, or the next ``checkpoint_{n}`` (picked now, over committed
+        manifests); a new save id, nothing written yet."""
+        url = self.url
+        if name is not None:
+            base = self.project if self.project is not None else self.url
+            assert base is not None
+            url = base.child(name)
+        return ObjectSave.begin(url, self.project if url is None else None, model_only=model_only,
+                                storage_options=self.storage_options)
+
+    def join_shared(self, token: Any) -> ObjectSave:
+        """Every other process: the save the main process began (from its ``token``)."""
+        return ObjectSave.join(token, storage_options=self.storage_options)
 
     def _part_url(self) -> ObjectUrl:
         if self.url is None:
