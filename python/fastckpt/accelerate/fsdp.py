@@ -9,12 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.group.distributed import Session, on_main
+from fastckpt._io.group.distributed import Session
 from fastckpt._io.storage.base import Storage
 from fastckpt._plan.full_load import plan_full
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
-from fastckpt.accelerate.location import named, shared_name
 from fastckpt.checkpoint import LoadResult
 from fastckpt.checkpoint_sharded import dcp_storage_reader, dcp_storage_writer
 from fastckpt.errors import MissingStateError
@@ -22,15 +21,14 @@ from fastckpt.errors import MissingStateError
 __all__ = ["plan_full", "save_sharded_state", "load_sharded_state"]
 
 
-def save_sharded_state(accelerator: Any, storage: Storage, output_dir: Any, *, model_only: bool, durable: bool,
-                       threads: int, timeout: float) -> Path | str:
+def save_sharded_state(accelerator: Any, storage: Storage, name: str | None, number: int | None, *,
+                       model_only: bool, durable: bool, threads: int, timeout: float) -> Path | str:
     """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit of ``storage`` (the
-    checkpoint's, or the project's: a local folder or ``s3://`` alike), named by accelerate's rules on the main
-    process (:func:`fastckpt.accelerate.location.shared_name`); returns the folder, or the checkpoint's URL."""
+    checkpoint's, or the project's: a local folder or ``s3://`` alike) at ``name`` (None: the named checkpoint;
+    picked on the main process by :func:`fastckpt.accelerate.location.checkpoint_name`, ``number`` its n);
+    returns the folder, or the checkpoint's URL."""
     from fastckpt.accelerate.tracked_objects import add_tracked_objects
 
-    name, number = on_main(lambda: shared_name(accelerator, storage, output_dir is not None, model_only=model_only),
-                           what="choosing the checkpoint folder", timeout=timeout)
     models = [accelerator.unwrap_model(m) for m in accelerator._models]
     hooks = list(accelerator._save_model_state_pre_hook.values())  # local folders only (check_remote_save)
     if hooks:
@@ -49,7 +47,7 @@ def save_sharded_state(accelerator: Any, storage: Storage, output_dir: Any, *, m
         storage.rotate(limit)  # the project's full checkpoints
     config = accelerator.project_configuration
     config.iteration = number + 1 if number is not None else config.iteration + 1
-    return named(committed)
+    return committed.named  # the absolute folder, or the URL
 
 
 def load_sharded_state(accelerator: Any, folder: Path, models: list, *, model_only: bool, strict: bool,
