@@ -189,8 +189,8 @@ class Storage(Protocol):
                     what: str) -> contextlib.AbstractContextManager[CheckpointView]:
         """A view every process of a group reads one sharded load from (each reads the shards its boxes come from):
         the same committed save on every process, or a typed error on every process within ``timeout`` seconds.
-        ``what`` names the call in those errors (``"load_state"``). ``extra["remote"]``, when set, fetches parts
-        lazily."""
+        ``what`` names the call in those errors (``"load_state"``). ``view.parts``, when set, gives each part's
+        :class:`PartView` (fetching its shards as its reader asks)."""
         ...
 
     def as_local(self, ref: Committed | None = None, *,
