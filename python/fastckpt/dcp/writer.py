@@ -67,10 +67,10 @@ class StorageWriter(_DCPStorageWriter):
         threads: writer threads per rank (0 = min(8, cores)).
         durable: fsync every file and folder (and the parent after the commit).
         commit: see ``path``.
-        storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank writes
-            its shard file in a private local folder and uploads it under the save's prefix (crc32c checked against
-            the writer's); the coordinator uploads ``dcp_metadata.json`` and commits by creating the manifest object
-            last (:mod:`fastckpt._io.storage.object.commit`). With ``commit=False`` the ``s3://`` path is a prefix inside a
+        storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank uploads
+            its chunks under the save's prefix straight from tensor memory (crc32c summed as the parts go out; a
+            large rank's data split over a few objects: :mod:`fastckpt._io.storage.object.parts`); the coordinator
+            uploads ``dcp_metadata.json`` and commits by creating the manifest object last. With ``commit=False`` the ``s3://`` path is a prefix inside a
             save an outer save commits (``s3://bucket/ckpt/save-{n}-{id}/model``, ``fastckpt.save_state`` under
             FSDP2): every rank uploads its objects straight under it, the coordinator puts ``dcp_metadata.json``
             there, and nothing is committed (:attr:`files` as for a local folder).
