@@ -53,7 +53,7 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
                              "written through torch.distributed.checkpoint; pass None")
     if max_shard_size is not None:
-        from fastckpt._io.storage.local.shards import parse_size
+        from fastckpt._io.sizes import parse_size
 
         max_shard_size = parse_size(max_shard_size)
     if async_save:

@@ -15,6 +15,8 @@ accelerate ignores the FSDP plugin on CPU; its FSDP2 code path runs when ``distr
   training saved with SHARDED_STATE_DICT to ``{S3}/sharded`` (every process uploads its own shards) and loaded
   back into fresh prepared objects equal to the state the local ``sharded`` save loads; then with automatic naming
   under an ``s3://`` project (``checkpoints/checkpoint_0``, loaded back with ``input_dir=None``).
+- auto_model_only: SHARDED_STATE_DICT with automatic naming and total_limit=1: model-only snapshots go to
+  ``model_only/`` and rotate there; ``iteration`` counts the full checkpoints only.
 """
 
 from __future__ import annotations
@@ -228,6 +230,27 @@ def scenario_s3(rank: int) -> None:
     checks["s3_auto_iteration"] = acc4.project_configuration.iteration
 
 
+def scenario_auto_model_only(rank: int) -> None:
+    """SHARDED_STATE_DICT with automatic naming (total_limit=1): model-only snapshots are numbered and rotated apart
+    (``model_only/``) and leave ``iteration`` to the full checkpoints, as the replicated path does."""
+    from accelerate.utils import ProjectConfiguration
+
+    project = OUT / "auto"
+    acc = fsdp_accelerator("SHARDED_STATE_DICT")
+    acc.project_configuration = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True,
+                                                     total_limit=1)
+    prepared(acc, 0, 1)
+    names = [fastckpt.accelerate.save_state(acc).relative_to(project).as_posix()]
+    for _ in range(2):
+        names.append(fastckpt.accelerate.save_state(acc, model_only=True).relative_to(project).as_posix())
+    checks["auto_iteration_after_snapshots"] = acc.project_configuration.iteration
+    names.append(fastckpt.accelerate.save_state(acc).relative_to(project).as_posix())
+    checks["auto_names"] = names
+    dist.barrier()
+    checks["auto_left"] = sorted(f"{kind}/{p.name}" for kind in ("checkpoints", "model_only")
+                                 for p in (project / kind).iterdir() if not p.name.startswith("."))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -235,6 +258,7 @@ def main() -> None:
     for name, fn in (("diffusers", lambda: scenario_diffusers(rank)), ("sharded", lambda: scenario("sharded", rank)),
                      ("sharded_main_only", lambda: scenario_sharded_main_only(rank)),
                      ("full", lambda: scenario("full", rank)),
+                     ("auto_model_only", lambda: scenario_auto_model_only(rank)),
                      *([("s3", lambda: scenario_s3(rank))] if S3 else [])):
         try:
             fn()

@@ -44,9 +44,10 @@ def save_sharded_state(accelerator: Any, storage: Storage, name: str | None, num
                              what="fastckpt.accelerate.save_state")
     limit = accelerator.project_configuration.total_limit
     if number is not None and limit is not None and int(accelerator.process_index) == 0:
-        storage.rotate(limit)  # the project's full checkpoints
+        storage.rotate(limit, model_only=model_only)  # the kind just saved
     config = accelerator.project_configuration
-    config.iteration = number + 1 if number is not None else config.iteration + 1
+    if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
+        config.iteration = number + 1 if number is not None else config.iteration + 1
     return committed.named  # the absolute folder, or the URL
 
 
