@@ -9,15 +9,13 @@ every rank from the one save the main process picked (:func:`load_sharded`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fastckpt._io.group.distributed import Session, process_rank
-from fastckpt._io.storage.base import Storage
+from fastckpt._io.storage.base import PartView, Storage
 from fastckpt._io.storage.local.folder import pinned
-from fastckpt._io.storage.object.fetch import RemoteCheckpoint
-from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
 
@@ -47,8 +45,9 @@ def dcp_storage_reader(folder: Path, checksums: dict[str, Any] | None = None, *,
 def save_sharded_state(models: list, optimizers: list, schedulers: list, *, storage: Storage, model_only: bool,
                        total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any,
                        compat: Any, async_save: bool, timeout: float) -> Path | str:
-    """Save sharded models (and their optimizers, schedulers) from every rank; returns the committed folder (an
-    ``s3://`` ``output_dir`` / ``project_dir``: the checkpoint's URL)."""
+    """Save sharded models (and their optimizers, schedulers) from every rank into ``storage``
+    (:func:`fastckpt._plan.sharded_save.save_sharded`: open, every rank writes its parts, commit), then rotate;
+    returns the committed folder (an ``s3://`` ``output_dir`` / ``project_dir``: the checkpoint's URL)."""
     for name, value in (("max_shard_size", None if model_only else max_shard_size), ("compat", compat)):
         if value is not None:
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
@@ -60,35 +59,28 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
     if async_save:
         raise ValueError("async_save=True is not supported for sharded (DTensor / FSDP2) models yet; "
                          "save with async_save=False")
-    if storage.tier == "remote":  # every rank writes its shards straight to object storage; the main one commits
-        url, project, options = storage.url, storage.project, storage.storage_options
-        remote = ObjectSave(url, project if url is None else None, model_only=model_only, storage_options=options)
-        saved = save_sharded(models, optimizers, schedulers, target=remote, model_only=model_only, step=step,
-                             durable=durable, threads=threads, timeout=timeout, max_shard_size=max_shard_size,
-                             writer_factory=functools.partial(dcp_storage_writer, storage_options=options))
-        if url is None and total_limit is not None and process_rank() == 0:
-            remote.rotate(total_limit)
-        return saved
-    target = storage.begin(model_only=model_only, step=step).location
-    path = save_sharded(models, optimizers, schedulers, target=Path(target).absolute(), model_only=model_only,
-                        step=step, durable=durable, threads=threads, timeout=timeout,
-                        writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
+    saved = save_sharded(models, optimizers, schedulers, storage=storage, model_only=model_only, step=step,
+                         durable=durable, threads=threads, timeout=timeout, max_shard_size=max_shard_size,
+                         writer_factory=dcp_storage_writer)
     if total_limit is not None and process_rank() == 0:
-        storage.rotate(total_limit, model_only=model_only)  # the kind saved (a named folder is never rotated)
-    return path
+        storage.rotate(total_limit, model_only=model_only)  # automatic naming: the oldest of this kind go
+    return saved.named
 
 
 def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                        strict: bool, threads: int, verify: bool, timeout: float,
-                       remote: RemoteCheckpoint | None = None) -> tuple[list[str], list[str], list[str]]:
+                       parts: Callable[[str], PartView] | None = None,
+                       location: str | None = None) -> tuple[list[str], list[str], list[str]]:
     """Load a checkpoint into sharded models on every rank; returns ``(missing_keys, unexpected_keys, skipped)``
     (``skipped``: :attr:`~fastckpt.LoadResult.skipped`'s lines).
 
-    ``remote``: ``folder`` is that opened ``s3://`` checkpoint's folder, holding its small files and each part's
-    ``dcp_metadata.json``; each part's reader fetches the shard objects this rank's boxes come from."""
+    ``parts``: ``folder`` holds the opened checkpoint's small files and each part's index (an ``s3://``
+    checkpoint's, in memory: :attr:`~fastckpt._io.storage.base.CheckpointView.parts`); each part's reader reads
+    through ``parts(name)``, fetching the shard objects this rank's boxes come from. ``location``: how errors
+    name the checkpoint (None: ``folder``)."""
     from fastckpt.errors import MissingStateError
 
-    session = Session(f"load_state from {remote.url if remote is not None else folder.absolute()}", timeout)
+    session = Session(f"load_state from {location if location is not None else folder.absolute()}", timeout)
     mode = None if is_sharded_checkpoint(folder) else _saved_mode(folder)
     if mode == "model_only" and not model_only and (optimizers or schedulers):
         raise MissingStateError(f"{folder}: saved with model_only=True, so it holds no optimizer or scheduler state; "
@@ -108,10 +100,10 @@ def load_sharded_state(folder: Path, models: list, optimizers: list, schedulers:
 
         warn_unrestored(folder, session.world, stacklevel=4)
     plan = plan_sharded_load(folder, models, optimizers, schedulers, model_only=model_only, strict=strict,
-                             session=session, reader_factory=dcp_storage_reader if remote is None else
-                             functools.partial(_remote_part_reader, remote),
+                             session=session, reader_factory=dcp_storage_reader if parts is None else
+                             functools.partial(_part_reader, parts),
                              rng_rank=None if model_only else session.rank, failed=error, verify=verify,
-                             threads=threads, listed=remote is not None)
+                             threads=threads, listed=parts is not None)
     plan.apply()
     return plan.missing_keys, plan.unexpected_keys, plan.skipped
 
@@ -126,14 +118,14 @@ def load_sharded(storage: Storage, models: list, optimizers: list, schedulers: l
     with storage.open_shared(model_only=model_only, timeout=timeout, what="load_state") as view:
         return load_sharded_state(view.path, models, optimizers, schedulers, model_only=model_only, strict=strict,
                                   threads=threads, verify=verify and not view.checked, timeout=timeout,
-                                  remote=view.extra.get("remote"))
+                                  parts=view.parts, location=view.location)
 
 
-def _remote_part_reader(remote: RemoteCheckpoint, folder: Path, checksums: dict[str, Any] | None = None, *,
-                        verify: bool = True, threads: int = 0) -> Any:
-    """:func:`dcp_storage_reader` for the part ``folder.name`` of the opened ``s3://`` checkpoint ``remote``."""
+def _part_reader(parts: Callable[[str], PartView], folder: Path, checksums: dict[str, Any] | None = None, *,
+                 verify: bool = True, threads: int = 0) -> Any:
+    """:func:`dcp_storage_reader` for the part ``folder.name`` of an opened checkpoint, read through ``parts``."""
     reader = dcp_storage_reader(folder, checksums, verify=verify, threads=threads)
-    reader.attach_remote(remote, folder.name)
+    reader.attach(parts(folder.name))
     return reader
 
 

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 
+import fastckpt._io.storage.local.parts as writer_module  # where a DCP rank writes its file (fault injection)
 import fastckpt.dcp
-import fastckpt.dcp.writer as writer_module
 from fastckpt import _core
 from fastckpt._io.storage.local.staging import leftovers
 from helpers.dcp_state import SHARDED, as_dtensors, full_state, mismatches, template

@@ -11,6 +11,10 @@ accelerate ignores the FSDP plugin on CPU; its FSDP2 code path runs when ``distr
 - sharded_main_only: an FSDP2 model saved on the main process only: CheckpointError there, at once.
 - sharded: SHARDED_STATE_DICT save after 2 steps -> load into fresh prepared objects: equal, step restored.
 - full: FULL_STATE_DICT save (single-file layout written by the main process) -> load: equal.
+- s3 (``FASTCKPT_TEST_S3`` = a fresh ``s3://`` prefix on the test process's moto server): the ``sharded`` scenario's
+  training saved with SHARDED_STATE_DICT to ``{S3}/sharded`` (every process uploads its own shards) and loaded
+  back into fresh prepared objects equal to the state the local ``sharded`` save loads; then with automatic naming
+  under an ``s3://`` project (``checkpoints/checkpoint_0``, loaded back with ``input_dir=None``).
 - auto_model_only: SHARDED_STATE_DICT with automatic naming and total_limit=1: model-only snapshots go to
   ``model_only/`` and rotate there; ``iteration`` counts the full checkpoints only.
 """
@@ -18,6 +22,7 @@ accelerate ignores the FSDP plugin on CPU; its FSDP2 code path runs when ``distr
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import traceback
@@ -39,6 +44,7 @@ import fastckpt.accelerate  # noqa: E402
 from helpers.fsdp_models import VOCAB, batch, build, full_state, optimizer_for, same  # noqa: E402
 
 OUT = Path(sys.argv[1])
+S3 = os.environ.get("FASTCKPT_TEST_S3")  # an s3:// prefix on the test process's S3 server
 checks: dict[str, object] = {}
 
 
@@ -50,11 +56,11 @@ def error_of(fn) -> dict[str, str | None]:
     return {"error": None, "message": ""}
 
 
-def fsdp_accelerator(state_dict_type: str):
+def fsdp_accelerator(state_dict_type: str, **kwargs):
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type,
                                             auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["Block"])
-    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin, **kwargs)
     AcceleratorState().distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
     AcceleratorState().fsdp_plugin = plugin
@@ -192,6 +198,38 @@ def scenario(kind: str, rank: int) -> None:
     checks[f"{kind}_result"] = [result.missing_keys, result.unexpected_keys]
 
 
+def scenario_s3(rank: int) -> None:
+    """SHARDED_STATE_DICT to ``s3://`` and back, named and automatic, equal to what the local save loads."""
+    from accelerate.utils import ProjectConfiguration
+
+    acc = fsdp_accelerator("SHARDED_STATE_DICT")
+    model, opt, sched = prepared(acc, 0, 2)  # the local sharded scenario's training
+    saved, saved_sched = full_state(model, opt.optimizer), sched.state_dict()
+    checks["s3_path"] = str(fastckpt.accelerate.save_state(acc, f"{S3}/sharded"))
+    local = fsdp_accelerator("SHARDED_STATE_DICT")
+    model_l, opt_l, _ = prepared(local, 7, 0)
+    fastckpt.accelerate.load_state(local, OUT / "sharded")
+    acc2 = fsdp_accelerator("SHARDED_STATE_DICT")
+    model2, opt2, sched2 = prepared(acc2, 5, 0)
+    result = fastckpt.accelerate.load_state(acc2, f"{S3}/sharded")
+    got = full_state(model2, opt2.optimizer)
+    checks["s3_loaded"] = same(got, full_state(model_l, opt_l.optimizer)) and same(got, saved)
+    checks["s3_sched"] = sched2.state_dict() == saved_sched
+    checks["s3_step"] = acc2.step
+    checks["s3_result"] = [result.missing_keys, result.unexpected_keys]
+    project = ProjectConfiguration(project_dir=f"{S3}/project", automatic_checkpoint_naming=True, total_limit=1)
+    acc3 = fsdp_accelerator("SHARDED_STATE_DICT", project_config=project)
+    model3, opt3, _ = prepared(acc3, 1, 1)
+    saved3 = full_state(model3, opt3.optimizer)
+    checks["s3_auto_path"] = str(fastckpt.accelerate.save_state(acc3))
+    acc4 = fsdp_accelerator("SHARDED_STATE_DICT", project_config=ProjectConfiguration(
+        project_dir=f"{S3}/project", automatic_checkpoint_naming=True))
+    model4, opt4, _ = prepared(acc4, 6, 0)
+    fastckpt.accelerate.load_state(acc4)
+    checks["s3_auto_loaded"] = same(full_state(model4, opt4.optimizer), saved3)
+    checks["s3_auto_iteration"] = acc4.project_configuration.iteration
+
+
 def scenario_auto_model_only(rank: int) -> None:
     """SHARDED_STATE_DICT with automatic naming (total_limit=1): model-only snapshots are numbered and rotated apart
     (``model_only/``) and leave ``iteration`` to the full checkpoints, as the replicated path does."""
@@ -220,7 +258,8 @@ def main() -> None:
     for name, fn in (("diffusers", lambda: scenario_diffusers(rank)), ("sharded", lambda: scenario("sharded", rank)),
                      ("sharded_main_only", lambda: scenario_sharded_main_only(rank)),
                      ("full", lambda: scenario("full", rank)),
-                     ("auto_model_only", lambda: scenario_auto_model_only(rank))):
+                     ("auto_model_only", lambda: scenario_auto_model_only(rank)),
+                     *([("s3", lambda: scenario_s3(rank))] if S3 else [])):
         try:
             fn()
             checks[f"scenario_{name}"] = None

@@ -185,7 +185,7 @@ def scenario_s3(rank: int, world: int) -> None:
     fastckpt.save_state(model, opt, sched, output_dir=f"{S3}/tiny_fail")  # then a save whose upload fails on rank 1
     committed = full_state(model, opt)
     train_step(model, opt, sched, 3, rank=rank, world=world)
-    import fastckpt.dcp.writer as writer
+    import fastckpt._io.storage.object.parts as writer  # where a DCP rank uploads its objects
 
     real = writer.upload_tensor_objects
 

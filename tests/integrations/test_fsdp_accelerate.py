@@ -3,7 +3,8 @@
 Two processes (torchrun, gloo, CPU; tests/helpers/mp_fsdp_accelerate_worker.py, one launch) run accelerate's FSDP2
 code path: SHARDED_STATE_DICT and FULL_STATE_DICT saves load back bit-exact with ``accelerator.step``; the diffusers
 pattern (a DDP save on the main process only) writes the main process's files and loads on both processes; an FSDP2
-save on the main process only is refused at once. In this process: DeepSpeed, Megatron-LM,
+save on the main process only is refused at once; SHARDED_STATE_DICT to ``s3://`` (the session's moto server) and
+back equals the local save, by an explicit URL and by automatic naming. In this process: DeepSpeed, Megatron-LM,
 XLA and FSDP1 raise NotImplementedError saying what to use instead.
 """
 
@@ -25,9 +26,19 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "mp_fsdp_accelerate_w
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def s3_prefix(s3_endpoint):
+    """The ``s3://`` prefix the run saves under (the session's moto server; AWS_* reach the workers)."""
+    import uuid
+
+    from helpers.s3_server import BUCKET
+
+    return f"s3://{BUCKET}/fsdp-acc-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, s3_prefix):
     out = tmp_path_factory.mktemp("fsdp_acc")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", FASTCKPT_TEST_S3=s3_prefix)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(WORKER), str(out)], env=env, capture_output=True, text=True, timeout=300)
     files = [out / f"acc_rank{r}.json" for r in (0, 1)]
@@ -107,6 +118,24 @@ def test_fsdp2_round_trip(results, kind):
     else:  # gathered to the main process: the usual single-file layout
         assert "sharded" not in manifest and {"model.safetensors", "optimizer.safetensors"} <= names
         assert res[0]["full_model_file"] is True
+
+
+def test_fsdp2_sharded_state_saves_to_s3_and_loads_back_as_the_local_save(results, s3_prefix):
+    from helpers.s3_server import BUCKET, keys
+
+    _, res = results
+    for rank, r in enumerate(res):
+        assert r["s3_path"] == f"{s3_prefix}/sharded", rank  # the URL, on every process
+        assert r["s3_loaded"] is True and r["s3_sched"] is True, rank  # bit-exact, as the local save loads
+        assert r["s3_step"] == 2 and r["s3_result"] == [[], []], rank
+        assert r["s3_auto_path"] == f"{s3_prefix}/project/checkpoints/checkpoint_0", rank
+        assert r["s3_auto_loaded"] is True and r["s3_auto_iteration"] == 1, rank
+    stored = keys(f"{s3_prefix.split(f's3://{BUCKET}/', 1)[1]}/sharded/")
+    # every process uploaded its own shards of each part under the save; the manifest object is last
+    for part in ("model", "optimizer"):
+        assert {f"{part}/shard-00000-of-00002.safetensors", f"{part}/shard-00001-of-00002.safetensors"} <= {
+            k.split("/", 3)[-1] for k in stored if f"/{part}/" in k}, sorted(stored)
+    assert [k.split("/", 2)[-1] for k in stored if "/manifests/" in k] == ["manifests/0000000000.json"], sorted(stored)
 
 
 def test_fsdp2_automatic_naming_numbers_and_rotates_model_only_snapshots_apart(results):

@@ -91,7 +91,7 @@ def test_a_save_uploads_from_memory_the_bytes_and_checksums_a_local_save_writes(
 
 
 def test_dcp_object_groups_close_before_the_tensor_that_would_pass_the_limit():
-    from fastckpt.dcp.writer import object_groups
+    from fastckpt._io.storage.object.parts import object_groups
 
     assert object_groups({"a": 8, "b": 8, "c": 8}, 16, 16) == [["a", "b"], ["c"]]
     assert object_groups({"a": 30, "b": 1, "c": 1}, 16, 16) == [["a"], ["b", "c"]]

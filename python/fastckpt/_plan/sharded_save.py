@@ -5,8 +5,9 @@ Every rank calls :func:`save_sharded` with the same arguments. The steps (each a
 Session` step, so a process that died or never called it makes the others raise within ``timeout``):
 
 1. ``arrive``: every rank's arguments on the main process, which refuses a mismatch.
-2. ``staging``: the main process removes dead saves' leftovers and makes a staging folder beside the target (owned
-   through a ``flock``ed lock file, see :mod:`fastckpt._io.storage.local.staging`); its path goes to every rank.
+2. ``staging``: the main process opens the save (locally: removes dead saves' leftovers and makes a staging folder
+   beside the target, owned through a ``flock``ed lock file, see :mod:`fastckpt._io.storage.local.parts`); its
+   token goes to every rank.
 3. ``state``: every rank takes its sharded state (see :mod:`fastckpt._state.sharded`); a rank that cannot stops all.
 4. DCP ``save`` of each part into its subfolder of the staging folder (``model/``, ``model_1/``, ``optimizer/``,
    ...; fastckpt.dcp's ``StorageWriter(commit=False)``: safetensors shards, ``dcp_index.bin``,
@@ -27,15 +28,16 @@ Session` step, so a process that died or never called it makes the others raise 
 A failure or a death anywhere before the commit leaves the previous checkpoint at the target exact; the staging
 folder is removed (by the main process, or by the next save when the main process died).
 
-To ``s3://`` (an :class:`~fastckpt._io.storage.object.sharded.ObjectSave` target; the processes share no disk): at
-``staging`` the main process picks the checkpoint URL (automatic naming: the next committed number) and the new
-save's ``(number, save id)`` instead; at step 4 every rank uploads its part objects straight from tensor memory
-under ``{url}/{save id}/{part}/`` (``StorageWriter(commit=False)`` on that prefix); at ``written`` the main process
-uploads the small files (every rank's RNG file among them) and creates the manifest object last, holding the
-manifest a local sharded save writes (:func:`~fastckpt._plan.sharded_commit.commit_remote`). A failure before it:
-nothing committed, the save's objects removed (best effort), every rank raises. A ``model_only`` save gathers each
-model's full state dict to the main process instead of DCP (see :mod:`fastckpt._plan.sharded_commit`) and uploads
-what a one-process model-only save uploads.
+The save is a :class:`~fastckpt._io.storage.base.SharedSave` of the storage the caller resolved: at ``staging``
+the main process opens it (``begin_shared``: a local staging folder, or for ``s3://`` the checkpoint URL, picked
+by automatic naming when asked, and the new save's ``(number, save id)``), the others join it from its token;
+each part goes where ``save.part`` says (a subfolder of the staging folder, or the prefix
+``{url}/{save id}/{part}/`` every rank uploads its objects under, straight from tensor memory); at ``written`` the
+main process hands the small files to ``save.commit`` (the manifest last, the same manifest either way). A failure
+before it: nothing committed, the staged save dropped (best effort for object storage), every rank raises. Where
+the processes share no folder (``save.folder`` is None: object storage), a ``model_only`` save gathers each model's
+full state dict to the main process instead of DCP (see :mod:`fastckpt._plan.sharded_commit`) and commits what a
+one-process model-only save writes.
 """
 
 from __future__ import annotations
@@ -51,13 +53,11 @@ from fastckpt._format.codec import encode
 from fastckpt._io.files import FilePart, SavePlan
 from fastckpt._io.group.distributed import Session, timeout_group
 from fastckpt._io.group.torch_compat import no_dist_kwargs
-from fastckpt._io.storage.local.commit import check_target
+from fastckpt._io.storage.base import Committed
 from fastckpt._io.storage.local.layout import part_name, random_states_name
-from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
-from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._plan.dcp_resave import plan_locally, write_cached
 from fastckpt._plan.save import build_save_plan
-from fastckpt._plan.sharded_commit import assemble_model_files, commit_local, commit_remote, full_model_states
+from fastckpt._plan.sharded_commit import assemble_model_files, full_model_states
 from fastckpt._state.hf_files import hf_model_files
 from fastckpt._state.rng import rng_payload
 from fastckpt._state.sharded import model_tensors, optimizer_tensors, owner_model
@@ -66,9 +66,9 @@ __all__ = ["save_sharded", "SHARDED_STORAGE", "WriterFactory"]
 
 #: the manifest's ``"sharded"`` entry: each part's tensors are a fastckpt.dcp folder inside the checkpoint
 SHARDED_STORAGE = "fastckpt.dcp"
-#: ``writer_factory(folder, durable, threads)`` -> a DCP ``StorageWriter`` that writes into ``folder`` (a local
-#: folder, or the ``s3://`` prefix of a part inside a save) without committing it; after the save, its ``files``
-#: (on the coordinator) are ``{name: manifest entry}``
+#: ``writer_factory(folder, durable, threads, storage_options=)`` -> a DCP ``StorageWriter`` that writes into
+#: ``folder`` (a local folder, or the ``s3://`` prefix of a part inside a save) without committing it; after the
+#: save, its ``files`` (on the coordinator) are ``{name: manifest entry}``
 WriterFactory = Callable[[Path | str, bool, int], Any]
 
 
@@ -118,11 +118,13 @@ def run_dcp(call: Any, state: dict, session: Session, **storage: Any) -> None:
 
 
 def _part_writers(parts: dict[str, dict[str, torch.Tensor]], where: Callable[[str], Path | str],
-                  writer_factory: WriterFactory, durable: bool, threads: int) -> dict[str, tuple[Any, Any]]:
-    """``{part: (DCP storage writer, planner)}``: the writer into ``where(part)``, its planner caching per part."""
+                  writer_factory: WriterFactory, durable: bool, threads: int,
+                  options: Any = None) -> dict[str, tuple[Any, Any]]:
+    """``{part: (DCP storage writer, planner)}``: the writer into ``where(part)`` (``options``: the storage's
+    settings it resolves that location with), its planner caching per part."""
     out = {}
     for sub in parts:
-        writer = writer_factory(where(sub), durable, threads)
+        writer = writer_factory(where(sub), durable, threads, storage_options=options)
         out[sub] = (writer, writer.save_planner(sub) if hasattr(writer, "save_planner") else None)
     return out
 
@@ -166,7 +168,8 @@ def save_sharded(
     optimizers: list[Any],
     schedulers: list[Any],
     *,
-    target: Path | ObjectSave,
+    storage: Any,
+    name: str | None = None,
     model_only: bool,
     step: int,
     durable: bool,
@@ -176,12 +179,14 @@ def save_sharded(
     max_shard_size: int | None = None,
     add_files: Callable[[SavePlan], None] | None = None,
     what: str = "save_state",
-) -> Path | str:
-    """Save a sharded training state on every rank into ``target`` (see the module docs); returns ``target`` (a
-    local folder) or the committed checkpoint's ``s3://`` URL.
+) -> Committed:
+    """Save a sharded training state on every rank into ``storage`` (see the module docs); returns the committed
+    checkpoint (:attr:`~fastckpt._io.storage.base.Committed.named`: its folder, or its ``s3://`` URL).
 
     Args:
-        target: the checkpoint folder, or an :class:`~fastckpt._io.storage.object.sharded.ObjectSave` (``s3://``).
+        storage: where (:func:`fastckpt._io.storage.resolve`): the main process opens the save there
+            (``begin_shared``: the named checkpoint, ``name`` inside it, or its next ``checkpoint_{n}``), the
+            others join it.
         max_shard_size: ``model_only`` saves: bytes per model file (None: one ``model.safetensors``).
         add_files: main process only, before the commit: adds parts / texts to the plan of small files
             (``fastckpt.accelerate`` adds the objects the Accelerator tracks).
@@ -192,15 +197,13 @@ def save_sharded(
         KeyMismatchError, TypeError, OSError: as :func:`fastckpt.save_state`, on the process where it happened.
         ConcurrentSaveError: (``s3://``) another save committed the same checkpoint first.
     """
-    remote = target if isinstance(target, ObjectSave) else None
-    local = check_target(target) if not isinstance(target, ObjectSave) else None
-    session = Session(f"{what} to {target if remote is not None else local}", timeout)
+    where_to = storage.location if name is None else f"{storage.location.rstrip('/')}/{name}"
+    session = Session(f"{what} to {where_to}", timeout)
     if model_only:
         optimizers, schedulers = [], []
-    args = (str(target if remote is not None else local), model_only, len(models), len(optimizers), len(schedulers),
-            session.timeout)
+    args = (where_to, model_only, len(models), len(optimizers), len(schedulers), session.timeout)
     arrived = session.gather(args, step="arrive")
-    owner: OwnedPath | None = None
+    save: Any = None  # the SharedSave: opened by the main process, joined by the others
     error: BaseException | None = None
     try:
         begun: Any = None
@@ -210,35 +213,21 @@ def save_sharded(
                                f"({arrived[bad]} vs {args}: folder, model_only, models, optimizers, schedulers, "
                                "timeout); every process must pass the same")
         elif session.rank == 0:
-            try:
-                if remote is not None:  # the checkpoint URL and the save's (number, id): nothing written yet
-                    begun = remote.begin()
-                else:
-                    assert local is not None
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    clean_leftovers(local.parent)
-                    owner = OwnedPath(local.parent, local.name)
-                    owner.path.mkdir()
-                    begun = owner.path.name
+            try:  # a staging folder beside the target, or the URL and the save's (number, id): nothing written yet
+                save = storage.begin_shared(name, model_only=model_only, step=step)
+                begun = save.token
             except Exception as exc:
                 error = exc
-        staging_name = session.broadcast((begun, None if error is None else f"{type(error).__name__}: {error}"),
-                                         step="staging")
+        token = session.broadcast((begun, None if error is None else f"{type(error).__name__}: {error}"),
+                                  step="staging")
         if error is not None:
             raise error
-        if staging_name[1] is not None:
-            raise _other(session, staging_name[1])
-        if remote is not None:
-            remote.join(staging_name[0])
-            session.what = f"{what} to {remote}"
-            where: Callable[[str], Path | str] = remote.part
-        else:
-            assert local is not None
-            staging = local.parent / staging_name[0]
-
-            def where(sub: str) -> Path | str:
-                return staging / sub
-        gather_full = remote is not None and model_only  # no shared disk to assemble on: gathered to rank 0
+        if token[1] is not None:
+            raise _other(session, token[1])
+        if save is None:
+            save = storage.join_shared(token[0])
+        session.what = f"{what} to {save.location}"
+        gather_full = save.folder is None and model_only  # no shared folder to assemble on: gathered to rank 0
 
         parts: dict[str, dict[str, torch.Tensor]] = {}
         aliases: list[dict[str, str]] = []
@@ -256,7 +245,7 @@ def save_sharded(
                 parts[base] = tensors
                 optimizer_texts.append(text)
             texts = _small_files(models, optimizer_texts, schedulers, model_only=model_only) if session.rank == 0 else {}
-            writers = _part_writers(parts, where, writer_factory, durable, threads)
+            writers = _part_writers(parts, save.part, writer_factory, durable, threads, save.storage_options)
             votes = _plan_parts(parts, writers, session)  # DCP's local plans: each part's unchanged or not
         except Exception as exc:
             error = exc
@@ -279,55 +268,48 @@ def save_sharded(
             rng = ({k: v.cpu().numpy() for k, v in tensors.items()}, metadata)
         reports = session.gather((rng, None if error is None else f"{type(error).__name__}: {error}"),
                                  step="written")
-        outcome: str | None = None
+        outcome: Any = None
         if reports is not None:
             failed = next(((r, e) for r, (_, e) in enumerate(reports) if e is not None), None)
             if failed is not None:
-                outcome = f"writing the shards failed on process {failed[0]}: {failed[1]}"
+                outcome = (None, f"writing the shards failed on process {failed[0]}: {failed[1]}")
             else:
                 try:
                     with session.working():
+                        sums = None
                         if gather_full:  # what a one-process model-only save uploads (from_pretrained reads it)
                             plan = build_save_plan(models, [], [], model_only=True, step=step, model_states=full,
                                                    max_shard_size=max_shard_size)
                         else:
                             plan = _small_plan(models, optimizers, schedulers, texts, reports, model_only=model_only,
                                                step=step)
+                        if model_only and not gather_full:  # what a one-process model-only save writes
+                            sums = assemble_model_files(save.folder, list(parts), aliases,
+                                                        [list(t) for t in parts.values()],
+                                                        max_shard_size=max_shard_size, durable=durable,
+                                                        threads=threads)
                         if add_files is not None:
                             add_files(plan)
                         sharded = None if model_only else {
                             "storage": SHARDED_STORAGE, "world_size": session.world, "aliases": aliases,
                             "parts": list(parts), "files": dcp_files}
-                        if remote is not None:
-                            commit_remote(remote, plan, sharded, threads=threads)
-                        elif model_only:  # what a one-process model-only save writes: from_pretrained reads it
-                            assert local is not None
-                            sums = assemble_model_files(staging, list(parts), aliases, [list(t) for t in parts.values()],
-                                                        max_shard_size=max_shard_size, durable=durable, threads=threads)
-                            commit_local(staging, local, plan, None, durable=durable, threads=threads, checksums=sums)
-                        else:
-                            assert local is not None
-                            commit_local(staging, local, plan, sharded, durable=durable, threads=threads)
+                        outcome = (save.commit(plan, sharded, durable=durable, threads=threads, checksums=sums),
+                                   None)
                 except Exception as exc:
                     error = exc
-                    outcome = f"{type(exc).__name__}: {exc}"
+                    outcome = (None, f"{type(exc).__name__}: {exc}")
         result = session.broadcast(outcome, step="commit")
         if error is not None:
             raise error
-        if result is not None:
-            raise _other(session, result)
-        if remote is not None:
-            return str(remote.url)
-        assert local is not None
-        return local
+        if result[1] is not None:
+            raise _other(session, result[1])
+        return result[0]
     except BaseException as exc:
         session.abandon(f"process {session.rank} failed: {type(exc).__name__}: {exc}")
         raise
     finally:
-        if owner is not None:
-            owner.release()  # after the commit nothing is left there; otherwise the partial folder goes
-        if remote is not None and session.rank == 0:
-            remote.discard()  # nothing once committed; otherwise the save's objects go (best effort)
+        if save is not None:
+            save.abort()  # after the commit nothing is left; otherwise the partial save goes (its opener's)
 
 
 def _small_plan(models: list, optimizers: list, schedulers: list, texts: dict[str, str], reports: list, *,

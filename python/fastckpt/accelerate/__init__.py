@@ -149,8 +149,8 @@ def save_state(
     automatic_checkpoint_naming=True, total_limit=...)`` with ``output_dir=None`` (numbered and rotated by
     committed manifests): the main process uploads every process's files (one RNG file per process) from memory
     as one commit, the manifest object last (see :mod:`fastckpt.accelerate.location`; S3 settings from the
-    ``AWS_*`` environment). Not with FSDP2, ``async_save``, ``share_unchanged`` or save-state pre-hooks
-    (ValueError).
+    ``AWS_*`` environment); FSDP2 states too (every process uploads its own shards). Not with ``async_save``,
+    ``share_unchanged`` or save-state pre-hooks (ValueError).
 
     Returns:
         The committed checkpoint folder (the same on every process); with ``async_save``, an ``AsyncSave``; for
@@ -292,8 +292,6 @@ def load_state(
     storage = checkpoint_storage(accelerator, input_dir, "input_dir")
     fsdp = check_supported(accelerator)
     timeout = check_timeout(timeout)
-    if fsdp is not None and storage.tier != "local":
-        raise ValueError("FSDP2 states do not load from s3:// yet; download the checkpoint and load it locally")
     wait_for_saves_to(storage.root)
     with fetched_on_every_rank(storage, input_dir, model_only=model_only, timeout=timeout) as view:
         result = _load_folder(accelerator, view.path.absolute(), model_only=model_only, strict=strict,

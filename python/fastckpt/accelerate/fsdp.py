@@ -9,12 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fastckpt._io.group.distributed import Session, on_main
-from fastckpt._io.storage.local.numbering import rotate_checkpoints
+from fastckpt._io.group.distributed import Session
+from fastckpt._io.storage.base import Storage
 from fastckpt._plan.full_load import plan_full
 from fastckpt._plan.sharded_load import is_sharded_checkpoint, plan_sharded_load
 from fastckpt._plan.sharded_save import save_sharded
-from fastckpt.accelerate.project import choose_target, project_root
 from fastckpt.checkpoint import LoadResult
 from fastckpt.checkpoint_sharded import dcp_storage_reader, dcp_storage_writer
 from fastckpt.errors import MissingStateError
@@ -22,30 +21,34 @@ from fastckpt.errors import MissingStateError
 __all__ = ["plan_full", "save_sharded_state", "load_sharded_state"]
 
 
-def save_sharded_state(accelerator: Any, output_dir: Any, *, model_only: bool, durable: bool, threads: int,
-                  timeout: float) -> Path:
-    """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit."""
+def save_sharded_state(accelerator: Any, storage: Storage, name: str | None, number: int | None, *,
+                       model_only: bool, durable: bool, threads: int, timeout: float) -> Path | str:
+    """FSDP2 SHARDED_STATE_DICT: every process writes its shards into one atomic commit of ``storage`` (the
+    checkpoint's, or the project's: a local folder or ``s3://`` alike) at ``name`` (None: the named checkpoint;
+    picked on the main process by :func:`fastckpt.accelerate.location.checkpoint_name`, ``number`` its n);
+    returns the folder, or the checkpoint's URL."""
     from fastckpt.accelerate.tracked_objects import add_tracked_objects
 
-    target, number = on_main(lambda: choose_target(accelerator, output_dir, model_only), what="choosing the checkpoint folder",
-                             timeout=timeout)
     models = [accelerator.unwrap_model(m) for m in accelerator._models]
-    for hook in accelerator._save_model_state_pre_hook.values():
+    hooks = list(accelerator._save_model_state_pre_hook.values())  # local folders only (check_remote_save)
+    if hooks:
+        target = Path(storage.location if name is None else os.path.join(storage.location, name)).absolute()
         os.makedirs(target, exist_ok=True)
-        hook(list(accelerator._models), [m.state_dict() for m in models], str(target))
-    path = save_sharded(models, list(accelerator._optimizers), list(accelerator._schedulers), target=target,
-                        model_only=model_only, step=int(accelerator.step), durable=durable, threads=threads,
-                        timeout=timeout, writer_factory=dcp_storage_writer,
-                        add_files=None if model_only else lambda plan: add_tracked_objects(plan, accelerator,
-                                                                                           compat=False),
-                        what="fastckpt.accelerate.save_state")
+        for hook in hooks:
+            hook(list(accelerator._models), [m.state_dict() for m in models], str(target))
+    committed = save_sharded(models, list(accelerator._optimizers), list(accelerator._schedulers), storage=storage,
+                             name=name, model_only=model_only, step=int(accelerator.step), durable=durable,
+                             threads=threads, timeout=timeout, writer_factory=dcp_storage_writer,
+                             add_files=None if model_only else lambda plan: add_tracked_objects(plan, accelerator,
+                                                                                                compat=False),
+                             what="fastckpt.accelerate.save_state")
     limit = accelerator.project_configuration.total_limit
     if number is not None and limit is not None and int(accelerator.process_index) == 0:
-        rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)  # the kind just saved
+        storage.rotate(limit, model_only=model_only)  # the kind just saved
     config = accelerator.project_configuration
     if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
         config.iteration = number + 1 if number is not None else config.iteration + 1
-    return path
+    return committed.named  # the absolute folder, or the URL
 
 
 def load_sharded_state(accelerator: Any, folder: Path, models: list, *, model_only: bool, strict: bool,

@@ -25,11 +25,11 @@ from typing import Any
 
 from fastckpt._io.group.distributed import agree, broadcast_from_main, gather_to_main, on_main
 from fastckpt._io.storage import Storage, resolve
-from fastckpt._io.storage.base import CheckpointView, Committed, StagedSave
-from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST
+from fastckpt._io.storage.base import CheckpointView, Committed
+from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, MODEL_ONLY_DIR
 from fastckpt.errors import CheckpointChangedError, MissingStateError
 
-__all__ = ["checkpoint_storage", "check_remote_save", "check_total_limit", "begin_save", "named",
+__all__ = ["checkpoint_storage", "check_remote_save", "check_total_limit", "checkpoint_name", "named",
            "fetched_on_every_rank", "set_iteration"]
 
 
@@ -54,11 +54,11 @@ def checkpoint_storage(accelerator: Any, folder: Any, what: str) -> Storage:
 
 def check_remote_save(storage: Storage, *, fsdp: str | None, async_save: Any, share_unchanged: bool,
                       hooks: list) -> None:
-    """Raises ValueError for what a save whose checkpoints are no local folders (``s3://``) does not do (yet)."""
+    """Raises ValueError for what a save whose checkpoints are no local folders (``s3://``) does not do (yet): an
+    async save (its writer thread writes a local folder), ``share_unchanged`` (hard links) and save pre-hooks (they
+    write into a local folder). FSDP2 states save to either (every process uploads its own shards)."""
     if storage.tier == "local":
         return
-    if fsdp is not None:
-        raise ValueError("FSDP2 states do not save to s3:// yet; save to a local folder (then upload it)")
     if async_save:
         raise ValueError("async_save does not apply to s3:// with fastckpt.accelerate yet; save with "
                          "async_save=False, or use fastckpt.save_state(..., remote=) for a tiered save")
@@ -79,11 +79,13 @@ def check_total_limit(accelerator: Any, output_dir: Any) -> None:
                          f"got {limit!r}")
 
 
-def begin_save(accelerator: Any, storage: Storage, named_folder: bool, *, model_only: bool,
-               step: int) -> tuple[StagedSave | None, str, int | None]:
-    """(the staged save, where it goes, n of an automatic full save's ``checkpoint_{n}`` or None) by accelerate's
-    rules. Runs on the main process. A named folder's save is opened when it is written (None here): a folder that
-    cannot take it fails that step, as a save's write does.
+def checkpoint_name(accelerator: Any, storage: Storage, named_folder: bool, *,
+                    model_only: bool) -> tuple[str | None, str, int | None]:
+    """``(name inside storage or None for the named folder, where the save goes, n of an automatic
+    checkpoint_{n} or None)`` by accelerate's rules: an explicit folder is always used; else a full save goes to
+    ``checkpoints/checkpoint_{n}`` (n = max(``iteration``, largest committed + 1)), a model-only save to the next
+    ``model_only/checkpoint_{n}`` (numbered apart). Runs on the main process; ``storage.begin(name)`` /
+    ``begin_shared(name)`` then opens the save there.
 
     Raises:
         ValueError: no folder and no ``automatic_checkpoint_naming``.
@@ -94,13 +96,12 @@ def begin_save(accelerator: Any, storage: Storage, named_folder: bool, *, model_
     if not config.automatic_checkpoint_naming:
         raise ValueError("output_dir is required unless the Accelerator's ProjectConfiguration has "
                          "automatic_checkpoint_naming=True")
-    if model_only:  # numbered apart, one above the largest model-only snapshot
-        save = storage.begin(model_only=True, step=step)
-        return save, save.location, None
-    numbers = [c.number for c in storage.list(full_only=False) if c.number is not None]
-    n = max(int(config.iteration), max(numbers) + 1 if numbers else 0)
-    save = storage.begin(f"{CHECKPOINTS_DIR}/checkpoint_{n}", step=step)
-    return save, save.location, n
+    numbers = [c.number for c in storage.list(model_only=model_only, full_only=False) if c.number is not None]
+    n = max(numbers) + 1 if numbers else 0
+    if not model_only:
+        n = max(int(config.iteration), n)
+    name = f"{MODEL_ONLY_DIR if model_only else CHECKPOINTS_DIR}/checkpoint_{n}"
+    return name, f"{storage.location.rstrip('/')}/{name}", n
 
 
 def named(committed: Committed | CheckpointView) -> Path | str:

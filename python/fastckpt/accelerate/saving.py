@@ -18,7 +18,7 @@ from fastckpt._io.storage.base import Storage
 from fastckpt._plan.save import build_save_plan
 from fastckpt._state.rng import rng_payload
 from fastckpt.accelerate.fsdp import save_sharded_state
-from fastckpt.accelerate.location import begin_save, named
+from fastckpt.accelerate.location import checkpoint_name
 from fastckpt.accelerate.project import project_root
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "UNSET", "save_tracked"]
@@ -40,23 +40,18 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
     (fastckpt's layout or ``compat="accelerate"``), writes and commits it (or hands it to the async writer) and
     rotates; every process advances ``ProjectConfiguration.iteration``. Returns the folder, the async handle, or
     the ``s3://`` URL."""
+    name, location, number = on_main(lambda: checkpoint_name(accelerator, storage, output_dir is not None,
+                                                             model_only=model_only),
+                                     what="choosing the checkpoint folder", timeout=timeout)
     if fsdp == "SHARDED_STATE_DICT":
-        return save_sharded_state(accelerator, output_dir, model_only=model_only, durable=durable, threads=threads,
-                             timeout=timeout)
+        return save_sharded_state(accelerator, storage, name, number, model_only=model_only, durable=durable,
+                                  threads=threads, timeout=timeout)
     if max_shard_size is UNSET:
         max_shard_size = None if compat else DEFAULT_MAX_SHARD_SIZE
     elif compat and max_shard_size is not None:
         raise ValueError("compat='accelerate' writes an unsharded model.safetensors as Accelerator.save_state does; "
                          "pass max_shard_size=None")
     step = int(accelerator.step)
-    staged: list = []  # the main process's StagedSave
-
-    def choose() -> tuple[str, int | None]:
-        save, where, n = begin_save(accelerator, storage, output_dir is not None, model_only=model_only, step=step)
-        staged.append(save)
-        return where, n
-
-    location, number = on_main(choose, what="choosing the checkpoint folder", timeout=timeout)
     target = Path(location).absolute()  # a local save's folder (hooks, async saves, share_unchanged: local only)
     models = list(accelerator._models)
     unwrapped = [accelerator.unwrap_model(m) for m in models]
@@ -128,9 +123,9 @@ def save_tracked(accelerator: Any, output_dir: Any, fsdp: str | None, *, model_o
             after_commit(folder)  # type: ignore[arg-type]  # a URL when the checkpoint is in object storage
 
     def write() -> Path | str:
-        save = staged[0] or storage.begin(model_only=model_only, step=step)  # one commit of every process's files
+        save = storage.begin(name, model_only=model_only, step=step)  # one commit of every process's files
         save.write(build(), durable=durable, threads=threads)
-        path = named(save.commit())
+        path = save.commit().named  # the absolute folder, or the URL
         rotate(path)
         return path
 

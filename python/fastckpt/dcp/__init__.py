@@ -63,8 +63,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from fastckpt._format.dcp_metadata import METADATA_FILE
 from fastckpt._io.group.torch_compat import no_dist_kwargs
-from fastckpt._io.location import check_location
-from fastckpt._io.storage.object.store import OBJECT_SCHEMES
+from fastckpt._io.storage import resolve
 from fastckpt.dcp.planner import LoadPlanner, SavePlanner
 from fastckpt.dcp.reader import StorageReader
 from fastckpt.dcp.writer import StorageWriter, shard_file_name
@@ -119,9 +118,10 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
         TypeError, DtypeError, OSError, ...: what the failing rank raised (this rank's own, or the lowest failing
         rank's); the previous checkpoint at ``path`` is intact.
     """
-    check_location(path, "path", supported=OBJECT_SCHEMES)
-    writer = writer if writer is not None else StorageWriter(path, threads=threads, durable=durable, commit=commit,
-                                                             storage_options=storage_options)
+    if writer is None:  # the path becomes the writer's storage, once
+        writer = StorageWriter(path, threads=threads, durable=durable, commit=commit, storage_options=storage_options)
+    else:  # the writer's own storage is used; the path is still checked as any path is
+        resolve(path, what="path")
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with _single_process(no_dist):
@@ -155,7 +155,6 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], *, process_gr
             on every rank, before anything is read (DCP itself raises a bare ``RuntimeError`` naming one).
         HeaderError, DtypeError, ShapeMismatchError, IntegrityError, ...: what the failing rank raised.
     """
-    check_location(path, "path", supported=OBJECT_SCHEMES)
     reader = StorageReader(path, threads=threads, verify=verify, storage_options=storage_options,
                            process_group=process_group, read_once=read_once)
     no_dist = not (dist.is_available() and dist.is_initialized())

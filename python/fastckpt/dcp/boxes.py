@@ -72,7 +72,7 @@ def read_own(reader: Any, plan: LoadPlan, planner: LoadPlanner, elsewhere: set[i
     mine = [(item, dest) for pos, (item, dest) in tensor_items.items() if pos not in elsewhere]
     # every chunk a box is read from, summed whole, before anything is filled (a fetched s3 checkpoint was
     # summed whole as it came in: not again)
-    if reader.verify and reader.url is None:
+    if reader.verify and not reader.checked_whole:
         wanted: dict[str, set[str]] = {}
         for item, dest in mine:
             loc, sizes = parsed.locate(item.storage_index.fqn,

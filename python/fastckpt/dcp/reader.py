@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import weakref
@@ -24,10 +23,8 @@ from fastckpt._io.dcp.files import (
     read_dcp_index,
     read_dcp_metadata,
 )
-from fastckpt._io.location import check_location
-from fastckpt._io.storage.local.layout import MANIFEST, read_manifest
-from fastckpt._io.storage.object.fetch import RemoteCheckpoint
-from fastckpt._io.storage.object.store import OBJECT_SCHEMES, open_store, remote_url
+from fastckpt._io.storage import resolve
+from fastckpt._io.storage.base import PartStorage, PartView
 from fastckpt.dcp.boxes import read_own
 from fastckpt.dcp.indexed import Catalog
 from fastckpt.dcp.share import Exchange, PeerReadError, assign
@@ -83,9 +80,8 @@ class StorageReader(_DCPStorageReader):
                  read_once: bool = True, process_group: Any = None) -> None:
         super().__init__()
         self.storage_options = storage_options
-        self._fetched = contextlib.ExitStack()
-        self._remote: RemoteCheckpoint | None = None
-        self._part = ""  # the part folder within the remote save this reader serves ("" : the whole save)
+        self._view: PartView | None = None  # the files read: opened at the first read, or attached
+        self._owned = False  # the view is this reader's to close
         self._set_path(path, "path")
         self.threads = threads
         self.verify = verify
@@ -115,61 +111,78 @@ class StorageReader(_DCPStorageReader):
         self._files = {}
 
     def _set_path(self, path: Any, what: str) -> None:
-        check_location(path, what, supported=OBJECT_SCHEMES)
-        self._fetched.close()
-        self.url = remote_url(path, what)
-        self.path = Path(path) if self.url is None else Path(str(self.url))
-        self._remote, self._part = None, ""
+        """The storage ``path`` names, resolved once (a folder or an ``s3://`` URL); opened at the first read."""
+        storage = resolve(path, storage_options=self.storage_options, what=what)
+        assert isinstance(storage, PartStorage)
+        self._close()
+        self.storage: PartStorage | None = storage
+        self.path = Path(storage.location)
 
-    def attach_remote(self, remote: RemoteCheckpoint, part: str) -> None:
-        """Serve the part folder ``part`` of an opened ``s3://`` checkpoint (a sharded ``load_state``: the outer
-        save's objects ``{part}/...``): its ``dcp_metadata.json`` must be fetched already; the objects this rank's
-        boxes come from are fetched while planning, as for an ``s3://`` ``path``. The remote stays the caller's."""
-        self._fetched.close()
-        self._remote, self._part = remote, part
-        self.url = remote.url.child(part)
-        self.path = Path(str(self.url))
+    def _close(self) -> None:
+        if self._view is not None and self._owned:
+            self._view.close()
+        self._view, self._owned = None, False
+
+    def attach(self, view: PartView) -> None:
+        """Serve ``view`` (a part folder of a checkpoint a sharded ``load_state`` opened, see
+        :attr:`fastckpt._io.storage.base.CheckpointView.parts`): its index or ``dcp_metadata.json`` must be
+        fetched already; the files this rank's boxes come from are fetched while planning. The view stays the
+        caller's."""
+        self._close()
+        self.storage = None
+        self._view = view
+        self.path = Path(view.location)
+
+    @property
+    def location(self) -> str:
+        """How errors name what this reader reads (the folder, or the ``s3://`` URL)."""
+        return self._view.location if self._view is not None else str(self.path)
 
     @property
     def fetched(self) -> list[str]:
         """The objects of an ``s3://`` checkpoint this reader has read (names within the save, in order; ``[]`` for
         a folder)."""
-        return list(self._remote.fetched) if self._remote is not None else []
+        return self._view.fetched if self._view is not None else []
+
+    @property
+    def checked_whole(self) -> bool:
+        """Every file read was checked whole against the manifest as it was fetched (an ``s3://`` checkpoint's
+        objects): the chunks need no sum of their own."""
+        return self._open().fetches
+
+    def _open(self) -> PartView:
+        """The view files are read through: opened at the first read (the newest committed save of an ``s3://``
+        checkpoint, listed and checked, its index or ``dcp_metadata.json`` fetched first; released, with the
+        memory of what was fetched, when the reader goes or moves on)."""
+        if self._view is None:
+            assert self.storage is not None
+            view = self.storage.open_part()
+            self._view, self._owned = view, True
+            weakref.finalize(self, view.close)
+            if view.fetches:
+                first = INDEX_FILE if self.use_index and view.has(INDEX_FILE) else METADATA_FILE
+                view.fetch([first] if view.has(first) else [])
+        return self._view
 
     def _folder(self) -> Path:
-        """The local folder to read: ``path``, or the folder of the s3 checkpoint's objects fetched so far
-        (``dcp_metadata.json`` first; removed, with their memory, when the reader goes or moves on)."""
-        if self.url is None:
-            return self.path
-        if self._remote is None:
-            store = open_store(self.url.bucket, self.storage_options)
-            remote = RemoteCheckpoint(store, self.url)
-            self._fetched.callback(remote.close)
-            weakref.finalize(self, self._fetched.close)
-            self._remote = remote
-            first = INDEX_FILE if self.use_index and INDEX_FILE in remote.names else METADATA_FILE
-            remote.fetch([first] if first in remote.names else [])
-        return self._remote.folder / self._part if self._part else self._remote.folder
+        """The local folder to read: the folder itself, or the in-memory folder of the objects fetched so far."""
+        return self._open().folder
 
     def _has(self, name: str) -> bool:
         """Whether the folder (or the s3 checkpoint: fetched or not) holds ``name``."""
-        if self._remote is not None:
-            return (f"{self._part}/{name}" if self._part else name) in self._remote.names
-        return (self._folder() / name).is_file()
+        return self._open().has(name)
 
     def _fetch_for(self, items: list[ReadItem]) -> None:
-        """s3: read the objects holding the chunks ``items`` read from (those not read yet), then open and check
-        their headers against the metadata."""
-        assert self._parsed is not None and self._remote is not None
+        """The files the chunks ``items`` read from (those not open yet): fetched when the storage fetches, then
+        opened and their headers checked against the metadata."""
+        assert self._parsed is not None
+        view = self._open()
         needed = self._needed(items)
-        if {loc.file for loc, _, _ in needed.values()} - self._files.keys():
-            self._remote.fetch([f"{self._part}/{n}" if self._part else n
-                                for n in {loc.file for loc, _, _ in needed.values()} - self._files.keys()])
-            records = self._checksums  # the listing matched the manifest's sizes already: its records as they are
-            if records is None:
-                records = self._remote.manifest["manifest"].get("files", {})
-                records = records if isinstance(records, dict) else {}  # each object was checked whole anyway
-            self._files, self._records = open_located_chunks(self._folder(), needed, records=records,
+        missing = {loc.file for loc, _, _ in needed.values()} - self._files.keys()
+        if missing:
+            view.fetch(missing)
+            records = self._records if self._records is not None else view.records()
+            self._files, self._records = open_located_chunks(view.folder, needed, records=records,
                                                              opened=self._files)
 
     def _needed(self, items: list[ReadItem]) -> dict:
@@ -184,14 +197,6 @@ class StorageReader(_DCPStorageReader):
                 loc, sizes = self._parsed.locate(*key)
                 needed[key] = (loc, self._parsed.dtypes[key[0]], sizes)
         return needed
-
-    def _open_for(self, items: list[ReadItem]) -> None:
-        """A local folder with an index: open the files ``items`` read from (not open yet) and check the chunks
-        they read against the files' headers."""
-        needed = self._needed(items)
-        if {loc.file for loc, _, _ in needed.values()} - self._files.keys():
-            self._files, self._records = open_located_chunks(self._folder(), needed, records=self._records,
-                                                             opened=self._files)
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP would fall back to rank-local metadata
         """The folder's metadata: from ``dcp_index.bin`` when the folder has one (its header: one entry per tensor;
@@ -220,10 +225,8 @@ class StorageReader(_DCPStorageReader):
                                     "did not finish")
         index = read_dcp_index(folder)
         records = self._checksums
-        if records is None and self._remote is not None:
-            records = self._remote.manifest["manifest"].get("files", {})
-        elif records is None:  # sizes: of the files this rank opens, when it opens them
-            records = read_manifest(folder, check_sizes=False).get("files", {}) if (folder / MANIFEST).is_file() else {}
+        if records is None:  # sizes: of the files this rank opens, when it opens them
+            records = self._open().records()
         self._records = records if isinstance(records, dict) else {}
         recorded = self._records.get(METADATA_FILE)
         if isinstance(recorded, dict) and recorded.get("crc32c") != index.doc.get("metadata_crc32c"):
@@ -235,7 +238,7 @@ class StorageReader(_DCPStorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._parsed is None or self._parsed.metadata is not metadata:
             self._parsed = self._read_catalog(self._folder())
-        if self.url is None and self._parsed.index is None:
+        if not self._open().fetches and self._parsed.index is None:
             self._files, self._records = open_chunk_files(self._folder(), self._parsed.parsed, records=self._checksums)
         else:  # the files / objects this rank reads are opened once its plan is known (prepare_local_plan)
             self._files = {}
@@ -243,10 +246,8 @@ class StorageReader(_DCPStorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # s3: this rank's objects are read (and checked) now; with an index, this rank's files are opened and
         # checked now: inside DCP's planning round, so a failure on any rank reaches every rank before any reads
-        if self.url is not None:
+        if self._parsed is not None and (self._parsed.index is not None or self._open().fetches):
             self._fetch_for(plan.items)
-        elif self._parsed is not None and self._parsed.index is not None:
-            self._open_for(plan.items)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -254,7 +255,7 @@ class StorageReader(_DCPStorageReader):
         (:mod:`fastckpt.dcp.share`; a local folder, every rank of :attr:`process_group` in the load)."""
         import torch.distributed as dist
 
-        if not self.read_once or self.url is not None or len(plans) < 2 or not dist.is_initialized() \
+        if not self.read_once or self._open().fetches or len(plans) < 2 or not dist.is_initialized() \
                 or dist.get_world_size(self.process_group) != len(plans):
             return plans
         return assign(plans)
@@ -264,10 +265,10 @@ class StorageReader(_DCPStorageReader):
         fqn = item.storage_index.fqn
         stored = to_torch_dtype(self._parsed.dtypes[fqn], name=fqn)  # type: ignore[union-attr]
         if dest.dtype != stored:
-            raise DtypeError(f"{self.url or self.path}: {fqn!r} is stored as {stored}, the state_dict entry it loads into is "
+            raise DtypeError(f"{self.location}: {fqn!r} is stored as {stored}, the state_dict entry it loads into is "
                              f"{dest.dtype}; load into a {stored} template and cast it yourself")
         if list(dest.shape) != [int(n) for n in item.lengths]:
-            raise ShapeMismatchError(f"{self.url or self.path}: {fqn!r}: a box of shape {list(item.lengths)} resolved to a "
+            raise ShapeMismatchError(f"{self.location}: {fqn!r}: a box of shape {list(item.lengths)} resolved to a "
                                      f"destination of shape {list(dest.shape)}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -275,7 +276,7 @@ class StorageReader(_DCPStorageReader):
         :mod:`fastckpt.dcp.share`) received from that rank while it reads its own."""
         assert self._parsed is not None
         share = plan.storage_data.get("share") if isinstance(plan.storage_data, dict) else None
-        exchange = Exchange(share, self.process_group, str(self.url or self.path)) if share else None
+        exchange = Exchange(share, self.process_group, str(self.location)) if share else None
         if exchange is None:
             self._read_own(plan, planner, set())
             fut: Future[None] = Future()
@@ -297,7 +298,7 @@ class StorageReader(_DCPStorageReader):
         if error is not None:
             raise error
         if failed:
-            raise PeerReadError(f"{self.url or self.path}: process {failed[0]} failed to read the boxes it reads for "
+            raise PeerReadError(f"{self.location}: process {failed[0]} failed to read the boxes it reads for "
                                 f"this process too ({len(exchange.recvs)} boxes shared); see its error", failed[0])
         for pos in exchange.recvs:
             item, dest = own[pos]
@@ -312,10 +313,8 @@ class StorageReader(_DCPStorageReader):
         """Check every destination, then read the boxes not ``elsewhere`` (plan positions another rank reads) and
         commit them (:func:`fastckpt.dcp.boxes.read_own`); returns ``{position: (item, destination)}``."""
         assert self._parsed is not None
-        if self.url is not None:  # a planner that changed the plan after planning: its objects are read here
-            self._fetch_for(plan.items)
-        elif self._parsed.index is not None:
-            self._open_for(plan.items)
+        if self._parsed.index is not None or self._open().fetches:  # a planner that changed the plan after planning:
+            self._fetch_for(plan.items)  # its files are opened (fetched) here
         return read_own(self, plan, planner, elsewhere)
 
     def load_planner(self) -> Any:

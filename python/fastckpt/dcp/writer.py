@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -17,45 +15,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from fastckpt import _core
 from fastckpt._format.codec import encode
 from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, shard_file_name
 from fastckpt._format.dcp_index_write import index_bytes
 from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
-from fastckpt._format.tensors import tensor_sources
-from fastckpt._io.location import check_location
-from fastckpt._io.storage.local.commit import check_target, fsync_dir, write_text
+from fastckpt._io.storage import resolve
+from fastckpt._io.storage.base import PartSave, PartStorage
 from fastckpt._io.storage.local.integrity import digest_entry, text_entry
-from fastckpt._io.storage.local.layout import MANIFEST, manifest_dict
-from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers
-from fastckpt._io.storage.object.commit import commit_save, new_save, upload_tensor_objects, upload_texts
-from fastckpt._io.storage.object.store import OBJECT_SCHEMES, ObjectUrl, open_store, remote_url
+from fastckpt._io.storage.local.layout import manifest_dict
 from fastckpt.dcp.gc_pause import gc_paused
 
 __all__ = ["StorageWriter", "shard_file_name"]
-
-
-def object_groups(sizes: dict[str, int], part_size: int, concurrency: int) -> list[list[str]]:
-    """The tensors ``{name: bytes}`` of one rank's s3 save split into objects, in order: each closes before the
-    tensor that would take it past ``max(part_size, total / concurrency)`` bytes (a larger tensor is an object of
-    its own). A rank's data below ``concurrency`` parts so goes as parallel single PUTs of about one part each
-    (no multipart upload to assemble); more data gives at most about ``2 * concurrency`` multipart objects."""
-    limit = max(part_size, -(-sum(sizes.values()) // concurrency))
-    groups: list[list[str]] = [[]]
-    held = 0
-    for name, n in sizes.items():
-        if groups[-1] and held + n > limit:
-            groups.append([])
-            held = 0
-        groups[-1].append(name)
-        held += n
-    return groups
-
-
-def _object_file(file: str, k: int) -> str:
-    """``shard-00000-of-00002.safetensors`` -> ``shard-00000-of-00002.00001.safetensors``: the rank's ``k``-th
-    further object of an s3 save."""
-    return f"{file.removesuffix('.safetensors')}.{k:05d}.safetensors"
 
 
 _chunk_name = chunk_name
@@ -80,7 +50,10 @@ class StorageWriter(_DCPStorageWriter):
     Each rank writes its chunks into one file ``shard-{rank}-of-{world}.safetensors`` (parallel positional writes
     straight from tensor memory, GIL released, crc32c while writing); the coordinator writes
     ``dcp_metadata.json`` (see :mod:`fastckpt._format.dcp_metadata`) and, with ``commit=True``, the manifest
-    ``fastckpt.json``, then puts the folder in place in one step.
+    ``fastckpt.json``, then puts the folder in place in one step. Where the files go is the storage ``path``
+    names, resolved once (:func:`fastckpt._io.storage.resolve`): the coordinator opens a save there at planning
+    time (:meth:`~fastckpt._io.storage.base.PartStorage.begin_part`), every rank joins it from the plan and writes
+    its own file, the coordinator writes the metadata and commits (:class:`~fastckpt._io.storage.base.PartSave`).
 
     Args:
         path: the checkpoint folder. With ``commit=True`` (default) it is replaced whole and atomically: the ranks
@@ -94,10 +67,10 @@ class StorageWriter(_DCPStorageWriter):
         threads: writer threads per rank (0 = min(8, cores)).
         durable: fsync every file and folder (and the parent after the commit).
         commit: see ``path``.
-        storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank writes
-            its shard file in a private local folder and uploads it under the save's prefix (crc32c checked against
-            the writer's); the coordinator uploads ``dcp_metadata.json`` and commits by creating the manifest object
-            last (:mod:`fastckpt._io.storage.object.commit`). With ``commit=False`` the ``s3://`` path is a prefix inside a
+        storage_options: for an ``s3://bucket/prefix`` ``path`` (see :func:`fastckpt.save_state`): every rank uploads
+            its chunks under the save's prefix straight from tensor memory (crc32c summed as the parts go out; a
+            large rank's data split over a few objects: :mod:`fastckpt._io.storage.object.parts`); the coordinator
+            uploads ``dcp_metadata.json`` and commits by creating the manifest object last. With ``commit=False`` the ``s3://`` path is a prefix inside a
             save an outer save commits (``s3://bucket/ckpt/save-{n}-{id}/model``, ``fastckpt.save_state`` under
             FSDP2): every rank uploads its objects straight under it, the coordinator puts ``dcp_metadata.json``
             there, and nothing is committed (:attr:`files` as for a local folder).
@@ -122,15 +95,12 @@ class StorageWriter(_DCPStorageWriter):
         #: file written into the folder (``dcp_metadata.json`` included); names are relative to ``path``.
         self.files: dict[str, dict[str, Any]] = {}
         self.is_coordinator = False
-        self._remote: tuple[int, str] | None = None  # the coordinator's (manifest number, save id) of an s3 save
-        self._owner: OwnedPath | None = None
-        self._finalizer: Any = None
+        self._save: PartSave | None = None  # the coordinator's save (commit=True): opened at planning time
         self._save_id = ""
 
     def __getstate__(self) -> dict[str, Any]:  # the process checkpointer pickles the writer (before any save)
         state = self.__dict__.copy()
-        state["_owner"] = None
-        state["_finalizer"] = None
+        state["_save"] = None
         return state
 
     # -- DCP's protocol --------------------------------------------------------------------------------------
@@ -148,56 +118,38 @@ class StorageWriter(_DCPStorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         self._save_id = uuid.uuid4().hex  # DCP asks once per save, first thing
-        return StorageMeta(checkpoint_id=str(self.url or self.path), save_id=self._save_id)
+        return StorageMeta(checkpoint_id=self.storage.location, save_id=self._save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def _set_path(self, path: Any, what: str) -> None:
-        check_location(path, what, supported=OBJECT_SCHEMES)
-        self.url = remote_url(path, what)
-        if self.url is not None and not self.commit and "/" not in self.url.prefix:
-            raise ValueError(f"{what}={path!r}: commit=False writes under a prefix inside a save an outer save "
-                             "commits (s3://bucket/checkpoint/save-id/part); pass that prefix, or commit=True")
-        self.path = Path(path) if self.url is None else Path(str(self.url))
+        """The storage ``path`` names, resolved once (a folder or an ``s3://`` URL)."""
+        storage = resolve(path, storage_options=self.storage_options, what=what)
+        assert isinstance(storage, PartStorage)
+        if not self.commit:  # refuses, before any save, a location that cannot be written so (ValueError)
+            storage.begin_part(commit=False)
+        self.storage: PartStorage = storage
+        self.path = Path(storage.location)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: create the folder every rank writes into and tell each rank its file name."""
+        """Coordinator: open the save every rank writes into (a staging folder, or a new save id in object storage;
+        none with ``commit=False``) and tell each rank how to join it and its file name."""
         n = len(plans)
-        if self.url is not None and not self.commit:  # under the outer save's prefix: no save of its own
-            return [dataclasses.replace(p, storage_data={"folder": None, "file": shard_file_name(i, n)})
-                    for i, p in enumerate(plans)]
-        if self.url is not None:  # object storage: every rank uploads under one new save id
-            number, save_id = self._remote = new_save(open_store(self.url.bucket, self.storage_options), self.url)
-            return [dataclasses.replace(p, storage_data={"folder": None, "save_id": save_id,
-                                                         "file": shard_file_name(i, n)})
-                    for i, p in enumerate(plans)]
+        token = None
         if self.commit:
-            target = check_target(self.path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            clean_leftovers(target.parent)
-            owner = OwnedPath(target.parent, target.name)
-            owner.path.mkdir()
-            self._owner = owner
-            self._finalizer = weakref.finalize(self, owner.release)
-            folder = owner.path
-        else:
-            folder = Path(os.path.abspath(self.path))
-            folder.mkdir(parents=True, exist_ok=True)
-        return [dataclasses.replace(p, storage_data={"folder": str(folder), "file": shard_file_name(i, n)})
+            self._save = self.storage.begin_part(commit=True)
+            token = self._save.token
+        return [dataclasses.replace(p, storage_data={"part": token, "file": shard_file_name(i, n)})
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: encode the non-tensor values, then write this rank's chunks in one parallel pass."""
         info = plan.storage_data
         file = info["file"]
-        # s3: no folder (uploaded from memory); commit=False: this writer's own path on every rank (a cached plan's
-        # folder is the last save's, local or not); commit=True: the staging folder the coordinator made, in the plan
-        folder = None
-        if self.url is None:
-            folder = Path(info["folder"]) if self.commit else Path(os.path.abspath(self.path))
-            if not self.commit:  # a save written from cached plans (no prepare_global_plan) makes it here
-                folder.mkdir(parents=True, exist_ok=True)
+        # commit=False: this writer's own location on every rank (a cached plan's token is the last save's);
+        # commit=True: the save the coordinator opened, joined from the plan
+        save = self.storage.join_part(info["part"] if self.commit else None)
         results: list[WriteResult] = []
         tensors: dict[str, torch.Tensor] = {}
         tensor_items = []
@@ -234,25 +186,13 @@ class StorageWriter(_DCPStorageWriter):
                     names[key] = name
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": file, "name": name}))
-        digests: list[tuple[str, tuple]] = []
-        if tensors and folder is None:  # s3: straight from the tensors' memory, crc32c summed as the parts go out
-            assert self.url is not None
-            store = open_store(self.url.bucket, self.storage_options)
-            groups = object_groups({n: t.numel() * t.element_size() for n, t in tensors.items()}, *store.transfer)
-            files = [file if k == 0 else _object_file(file, k) for k in range(len(groups))]
-            where = {name: f for f, group in zip(files, groups) for name in group}
-            results = [dataclasses.replace(r, storage_data={**r.storage_data, "file": where[r.storage_data["name"]]})
-                       if "name" in r.storage_data else r for r in results]
-            jobs = [(f, tensor_sources({n: tensors[n] for n in group}), [("format", "pt")])
-                    for f, group in zip(files, groups)]
-            found = upload_tensor_objects(store, *self._save_prefix(info), jobs, threads=self.threads)
-            digests = list(zip(files, found))
-        elif tensors:
-            assert folder is not None
-            digests = [(file, _core.write_files_checked([(str(folder / file), tensor_sources(tensors),
-                                                          [("format", "pt")])],
-                                                        durable=self.durable, threads=self.threads)[0])]
-        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digests": digests}) for r in results]
+        written = save.write_tensors(file, tensors, durable=self.durable, threads=self.threads)
+        where = {name: f for f, held, _ in written for name in held}  # a backend may split them over files
+        digests = [(f, digest) for f, _, digest in written]
+        results = [dataclasses.replace(r, storage_data={**r.storage_data, "digests": digests,
+                                                        **({"file": where[r.storage_data["name"]]}
+                                                           if "name" in r.storage_data else {})})
+                   for r in results]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -287,56 +227,21 @@ class StorageWriter(_DCPStorageWriter):
         return text, index_bytes(metadata, chunks, objects, len(results), text), files
 
     def _finish(self, text: bytes, index: bytes, files: dict[str, dict[str, Any]]) -> None:
+        """Write the index, then ``dcp_metadata.json`` (last: a folder with it is complete), then commit the save
+        with the manifest last (``commit=False``: the outer save commits)."""
         files[INDEX_FILE] = {"bytes": len(index), **text_entry(index)}
         files[METADATA_FILE] = {"bytes": len(text), **text_entry(text)}
         self.files = files
-        if self.url is not None:
-            self._finish_remote(text, index, files)
-            return
-        folder = self._owner.path if self._owner is not None else Path(os.path.abspath(self.path))
-        write_text(folder / INDEX_FILE, index, self.durable)
-        write_text(folder / METADATA_FILE, text, self.durable)  # last: a folder with it is complete
+        save = self._save if self.commit else self.storage.begin_part(commit=False)
+        assert save is not None, "finish before prepare_global_plan"
+        save.write_texts({INDEX_FILE: index, METADATA_FILE: text}, durable=self.durable)
         if not self.commit:
-            if self.durable:
-                fsync_dir(folder)
             return
         sizes = {name: entry["bytes"] for name, entry in files.items()}
         checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
-        manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)
-        write_text(folder / MANIFEST, json.dumps(manifest, indent=2), self.durable)
-        if self.durable:
-            fsync_dir(folder)
-        target = check_target(self.path)
-        _core.commit_dir(str(folder), str(target), durable=self.durable)
-        self.abort()  # nothing is left at the staging path now: drops the lock file
-
-    def _save_prefix(self, info: dict[str, Any]) -> tuple[ObjectUrl, str]:
-        """``(url, save id)`` whose ``{url}/{save id}/`` the objects of an s3 save go under: the save the
-        coordinator began (in the plan), or with ``commit=False`` this writer's own prefix (a cached plan holds the
-        last save's ids), split at its last segment."""
-        assert self.url is not None
-        if self.commit:
-            return self.url, info["save_id"]
-        parent, _, leaf = self.url.prefix.rpartition("/")
-        return ObjectUrl(self.url.bucket, parent), leaf
-
-    def _finish_remote(self, text: bytes, index: bytes, files: dict[str, dict[str, Any]]) -> None:
-        """Coordinator of an s3 save: upload ``dcp_metadata.json``, then commit the manifest object last (with
-        ``commit=False`` only the upload: the outer save commits)."""
-        assert self.url is not None
-        store = open_store(self.url.bucket, self.storage_options)
-        if not self.commit:
-            upload_texts(store, *self._save_prefix({}), {INDEX_FILE: index, METADATA_FILE: text})
-            return
-        assert self._remote is not None
-        number, save_id = self._remote
-        upload_texts(store, self.url, save_id, {INDEX_FILE: index, METADATA_FILE: text})
-        sizes = {name: entry["bytes"] for name, entry in files.items()}
-        checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
-        manifest = manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums)
-        commit_save(store, self.url, number, save_id,
-                    {name: {"bytes": e["bytes"], "crc32c": e["crc32c"]} for name, e in files.items()}, manifest)
-        self._remote = None
+        save.commit(files, manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums),
+                    durable=self.durable)
+        self._save = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -352,9 +257,9 @@ class StorageWriter(_DCPStorageWriter):
         return _FastckptSavePlanner(cache_key=None if self.commit else cache_key)
 
     def abort(self) -> None:
-        """Remove the staging folder of a save that did not finish (DCP does not tell the writer when another rank
-        failed; the next ``reset`` and :func:`fastckpt.dcp.save` call this). Idempotent."""
-        if self._finalizer is not None:
-            self._finalizer()  # releases the owner once
-            self._finalizer = None
-        self._owner = None
+        """Drop the staged save of a save that did not finish (a local staging folder is removed; DCP does not
+        tell the writer when another rank failed; the next ``reset`` and :func:`fastckpt.dcp.save` call this).
+        Idempotent."""
+        if self._save is not None:
+            self._save.abort()
+        self._save = None

@@ -290,12 +290,13 @@ def save_durable(models: list, optimizers: list, schedulers: list, objects: list
     Raises:
         CollectiveTimeoutError / CheckpointError / OSError: as :func:`fastckpt.save_state` of a sharded state.
     """
+    from fastckpt._io.storage import resolve
     from fastckpt.checkpoint_sharded import dcp_storage_writer
 
-    target = (project / CHECKPOINTS_DIR / f"checkpoint_{step}").absolute()
-    path = save_sharded(models, optimizers, schedulers, target=target, model_only=False, step=step, durable=True,
+    storage = resolve((project / CHECKPOINTS_DIR / f"checkpoint_{step}").absolute())
+    path = save_sharded(models, optimizers, schedulers, storage=storage, model_only=False, step=step, durable=True,
                         threads=threads, timeout=timeout, writer_factory=dcp_storage_writer,
-                        add_files=lambda plan: add_objects(plan, objects, rank_states), what="CheckpointManager")
+                        add_files=lambda plan: add_objects(plan, objects, rank_states), what="CheckpointManager").named
     import torch.distributed as dist
 
     if keep is not None and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -18,7 +18,16 @@ verb                        meaning
 ``Storage.as_local(ref)``   its files as they are under a local path, for tools that check or show them (verify, CLI)
 ``Storage.remove(ref)``     remove one committed checkpoint (it stops counting at once; never half-removed)
 ``Storage.rotate(n)``       remove the oldest committed checkpoints of one kind so that ``n`` remain
+``Storage.begin_part()``    open a save of one folder of files that several processes write (fastckpt.dcp's writer)
+``Storage.join_part(t)``    the same save on another process, from the opener's ``token``
+``Storage.open_part()``     the committed files of one such folder for a reader that opens them one by one
+``Storage.begin_shared()``  open a whole checkpoint every process of a group writes its parts into (a sharded save)
+``Storage.join_shared(t)``  the same save on another process, from the opener's ``token``
 ==========================  ==========================================================================================
+
+The last five (:class:`PartStorage`) are what several processes writing one checkpoint speak: ``fastckpt.dcp``'s
+``StorageWriter`` / ``StorageReader`` (per process and per file, below what a :class:`StagedSave` offers) and the
+sharded save, whose processes each write their DCP parts into a :class:`SharedSave`.
 
 Conventions (what the conformance suite, ``tests/io/test_storage_conformance.py``, checks of every backend): a save
 that was not committed is never listed and never opened; a commit either makes the whole save visible or raises and
@@ -31,12 +40,12 @@ May import: layers 0-1 only (the backends import this, never the reverse).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Committed", "CheckpointView", "StagedSave", "Storage"]
+__all__ = ["Committed", "CheckpointView", "PartSave", "PartStorage", "PartView", "SharedSave", "StagedSave", "Storage"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,10 @@ class CheckpointView:
     #: closes: users and errors are told ``location``, never ``path``
     copy: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: ``parts(name)``: the :class:`PartView` of the part folder ``name`` inside it (``model``, ``optimizer``...)
+    #: for a sharded load's DCP readers (an object store's fetches each shard object as a reader asks for it);
+    #: None: the part readers open ``path / name`` themselves
+    parts: Callable[[str], PartView] | None = None
 
     @property
     def named(self) -> Path | str:
@@ -176,8 +189,8 @@ class Storage(Protocol):
                     what: str) -> contextlib.AbstractContextManager[CheckpointView]:
         """A view every process of a group reads one sharded load from (each reads the shards its boxes come from):
         the same committed save on every process, or a typed error on every process within ``timeout`` seconds.
-        ``what`` names the call in those errors (``"load_state"``). ``extra["remote"]``, when set, fetches parts
-        lazily."""
+        ``what`` names the call in those errors (``"load_state"``). ``view.parts``, when set, gives each part's
+        :class:`PartView` (fetching its shards as its reader asks)."""
         ...
 
     def as_local(self, ref: Committed | None = None, *,
@@ -197,6 +210,139 @@ class Storage(Protocol):
     def rotate(self, total_limit: int, *, model_only: bool = False) -> list[str]:
         """Remove the oldest committed checkpoints of one kind so that ``total_limit`` remain (as :meth:`remove`
         does); returns their locations."""
+        ...
+
+
+@runtime_checkable
+class PartSave(Protocol):
+    """A save of one folder of files that several processes write at once (``fastckpt.dcp``'s ``StorageWriter``):
+    opened by one process (:meth:`PartStorage.begin_part`), joined by the others from its :attr:`token`
+    (:meth:`PartStorage.join_part`); each process writes its own tensor files, the opener writes the small files
+    and commits. Opened with ``commit=False`` it is a folder inside a save an outer save commits: the files go
+    straight there and nothing is committed here."""
+
+    #: how errors name it (a folder path or an ``s3://`` URL)
+    location: str
+    #: what another process needs to join this save (picklable; travels in DCP's plan), None with ``commit=False``
+    token: Any
+
+    def write_tensors(self, file: str, tensors: Mapping[str, Any], *, durable: bool = True,
+                      threads: int = 0) -> list[tuple[str, list[str], tuple]]:
+        """Write ``tensors`` (``{name: CPU tensor}``, from their memory, crc32c summed on the way) as safetensors
+        under the name ``file`` (a backend may split them over several files named after it); returns
+        ``[(file name, tensor names in it, the core's digest)]``. Raises OSError naming the file."""
+        ...
+
+    def write_texts(self, texts: Mapping[str, bytes], *, durable: bool = True) -> None:
+        """Write the small files in order (the last one completes the folder for a reader)."""
+        ...
+
+    def commit(self, files: Mapping[str, Mapping[str, Any]], manifest: Mapping[str, Any], *,
+               durable: bool = True) -> None:
+        """Opener only: make the folder visible in one step, ``manifest`` (listing ``files``: ``{name: {"bytes",
+        "crc32c", ...}}``) last; or raise and leave the previous checkpoint as it was."""
+        ...
+
+    def abort(self) -> None:
+        """Drop what this save staged (idempotent; a dead process's staging goes with the next save)."""
+        ...
+
+
+@runtime_checkable
+class PartView(Protocol):
+    """The committed files of one folder (a checkpoint, or a part folder inside one) for a reader that opens
+    them one by one (``fastckpt.dcp``'s ``StorageReader``), read through :attr:`folder` once :meth:`fetch`
+    brought them there."""
+
+    #: how errors name it (a folder path or an ``s3://`` URL)
+    location: str
+    #: the local path its files are opened through (the folder itself, or the in-memory copy of fetched objects)
+    folder: Path
+    #: True: each file reaches :attr:`folder` only when fetched (each process fetches what it reads: a shared read
+    #: between processes would gain nothing); False: every file is there
+    fetches: bool
+    #: the names fetched so far, in order (``[]`` for a folder read where it is)
+    fetched: list[str]
+
+    def has(self, name: str) -> bool:
+        """Whether the folder holds ``name`` (fetched or not)."""
+        ...
+
+    def fetch(self, names: Any) -> None:
+        """Bring ``names`` into :attr:`folder` (each checked against the manifest's crc32c as it comes in where
+        the backend fetches). IntegrityError / OSError name the file."""
+        ...
+
+    def records(self) -> dict[str, Any]:
+        """The files as the checkpoint's manifest records them (``{name: {"bytes", "crc32c", ...}}``; ``{}``
+        without a manifest)."""
+        ...
+
+    def close(self) -> None:
+        """Release what was fetched (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class SharedSave(Protocol):
+    """A whole checkpoint every process of a group writes into (a sharded save): opened by the main process
+    (:meth:`PartStorage.begin_shared`), joined by the others from its :attr:`token`; each process writes its DCP
+    parts at :meth:`part` (a ``fastckpt.dcp`` ``StorageWriter(commit=False)`` there), then the main process commits
+    the small files and the manifest last."""
+
+    #: how errors name it (the checkpoint's folder or URL, picked by the opener)
+    location: str
+    #: what another process joins it by (picklable)
+    token: Any
+    #: the staging folder every process sees (a local save's), or None when the processes share no folder (an
+    #: object store's: a model-only save gathers the full state to the main process instead of assembling it)
+    folder: Path | None
+    #: the settings a part's writer resolves :meth:`part` with (S3 endpoint, credentials...; None locally)
+    storage_options: Mapping[str, Any] | None
+
+    def part(self, name: str) -> Path | str:
+        """Where part ``name`` (``model``, ``optimizer_1``...) is written: a folder or a URL prefix in the save."""
+        ...
+
+    def commit(self, plan: Any, sharded: dict[str, Any] | None, *, durable: bool = True, threads: int = 0,
+               checksums: dict[str, dict[str, Any]] | None = None) -> Committed:
+        """Main process: write ``plan``'s files, then the manifest last (``sharded``: its ``"sharded"`` entry,
+        whose ``files`` the processes wrote; ``checksums``: of files already staged), and make the save visible in
+        one step. Raises (ConcurrentSaveError, OSError...) and commits nothing if it cannot."""
+        ...
+
+    def abort(self) -> None:
+        """Drop what the opener staged (after a commit: nothing; on a joined process: nothing). Never raises."""
+        ...
+
+
+@runtime_checkable
+class PartStorage(Protocol):
+    """A :class:`Storage` that serves :class:`PartSave` / :class:`PartView` (local folders and ``s3://``)."""
+
+    location: str
+
+    def begin_part(self, *, commit: bool = True) -> PartSave:
+        """Open a save of the storage's named location (see :class:`PartSave`); with ``commit=True`` it is staged
+        and invisible until :meth:`PartSave.commit`. Raises ValueError for a location it cannot serve so."""
+        ...
+
+    def join_part(self, token: Any) -> PartSave:
+        """The save another process opened (its :attr:`PartSave.token`; None: ``commit=False``)."""
+        ...
+
+    def open_part(self) -> PartView:
+        """The committed files at the storage's named location (the newest committed save of an object store's).
+        Raises MissingStateError when nothing is committed there (a folder: its files are checked as read)."""
+        ...
+
+    def begin_shared(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> SharedSave:
+        """Main process: open a :class:`SharedSave` of the named checkpoint, ``name`` inside the storage, or its
+        next ``checkpoint_{n}`` (as :meth:`Storage.begin` picks). Raises OSError / ValueError, nothing staged."""
+        ...
+
+    def join_shared(self, token: Any) -> SharedSave:
+        """Every other process: the save the main process opened (its :attr:`SharedSave.token`)."""
         ...
 
 

@@ -28,6 +28,7 @@ from fastckpt._io.storage.local.numbering import (
     remove_checkpoint_dir,
     rotate_checkpoints,
 )
+from fastckpt._io.storage.local.parts import LocalPartSave, LocalPartView, LocalSharedSave
 from fastckpt.errors import MissingStateError
 
 __all__ = ["LocalStorage", "LocalStagedSave", "check_input_dir"]
@@ -203,7 +204,7 @@ class LocalStorage:
         """The folder :meth:`locate` picks, unpinned: every process resolves it itself and the sharded load's
         readers open its files (DCP checks each against the manifest)."""
         folder = self.locate(model_only=model_only)
-        yield CheckpointView(location=str(folder), folder=folder, path=folder, tier=self.tier)
+        yield CheckpointView(location=str(folder.absolute()), folder=folder, path=folder, tier=self.tier)
 
     @contextlib.contextmanager
     def as_local(self, ref: Committed | None = None, *, model_only: bool = False) -> Iterator[CheckpointView]:
@@ -211,6 +212,33 @@ class LocalStorage:
         tool reports it), or the newest committed checkpoint of the project (:meth:`locate`)."""
         folder = self.folder if ref is None and self.folder is not None else self.locate(ref, model_only=model_only)
         yield CheckpointView(location=str(folder), folder=folder, path=folder, tier=self.tier)
+
+    def begin_shared(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> LocalSharedSave:
+        """Main process: a save every process writes its parts into (:class:`.parts.LocalSharedSave`): the named
+        folder, ``name`` in the project, or the next ``checkpoint_{n}`` of its kind; a staging folder beside it."""
+        return LocalSharedSave(self.begin(name, model_only=model_only, step=step).target, model_only=model_only)
+
+    def join_shared(self, token: Any) -> LocalSharedSave:
+        """Every other process: the save the main process opened (its staging folder, from ``token``)."""
+        return LocalSharedSave.join(token)
+
+    def _part_folder(self) -> Path:
+        if self.folder is None:
+            raise ValueError(f"{self.project}: a part save or view needs a named folder, not a project")
+        return self.folder
+
+    def begin_part(self, *, commit: bool = True) -> LocalPartSave:
+        """A save of the named folder every process writes its own files into (:class:`.parts.LocalPartSave`:
+        a staging folder beside it, committed by rename; ``commit=False``: straight into it)."""
+        return LocalPartSave(self._part_folder(), commit=commit)
+
+    def join_part(self, token: Any) -> LocalPartSave:
+        """The part save another process opened (its staging folder, from ``token``)."""
+        return LocalPartSave.join(self._part_folder(), token)
+
+    def open_part(self) -> LocalPartView:
+        """The named folder's files, read where they are."""
+        return LocalPartView(self._part_folder())
 
     def remove(self, ref: Committed) -> None:
         """Rename the folder to an owned trash name, then delete it (never half-removed under its name)."""

@@ -24,7 +24,9 @@ from fastckpt._io.storage.local.layout import peek_manifest
 from fastckpt._io.storage.object.api import fetched, opened, pick_remote, save_remote
 from fastckpt._io.storage.object.commit import committed_manifest, delete_checkpoint
 from fastckpt._io.storage.object.fetch import RemoteCheckpoint
+from fastckpt._io.storage.object.parts import ObjectPartSave, ObjectPartView
 from fastckpt._io.storage.object.project import object_checkpoints, rotate_object_checkpoints
+from fastckpt._io.storage.object.sharded import ObjectSave
 from fastckpt._io.storage.object.store import ObjectUrl, open_store, parse_url
 
 __all__ = ["ObjectStorage", "ObjectStagedSave"]
@@ -167,7 +169,8 @@ class ObjectStorage:
         """The main process picks the committed save (the named checkpoint, or the latest under the project);
         every process opens that save (refusing another one) and reads its small files and each part's metadata
         into memory (a model-only save's files whole); every process agrees (an error on one raises on all) before
-        this yields. ``extra["remote"]``: the opened save, when part readers fetch their shards lazily."""
+        this yields. ``parts(name)``: a part's view fetching its shard objects as its reader asks for them (a sharded
+        save; None when every object was read here)."""
         session = Session(f"{what} from {self.location}", timeout)
         chosen, save_id = session.on_main(lambda: self._pick(model_only), step="find")
         with contextlib.ExitStack() as stack:
@@ -184,12 +187,48 @@ class ObjectStorage:
             session.agree(error, step="fetch")
             assert remote is not None
             yield CheckpointView(location=chosen, folder=remote.folder, path=remote.folder, tier=self.tier,
-                                 checked=True, extra={"remote": remote if lazy else None})
+                                 checked=True, parts=_part_views(remote) if lazy else None)
 
     def _pick(self, model_only: bool) -> tuple[str, str]:
         found, save_id = pick_remote(self.url, self.project, model_only=model_only,
                                      storage_options=self.storage_options)
         return str(found), save_id
+
+    def begin_shared(self, name: str | None = None, *, model_only: bool = False, step: int = 0) -> ObjectSave:
+        """Main process: a save every process uploads its parts into (:class:`.sharded.ObjectSave`): the named
+        checkpoint, ``name`` under the project, or the next ``checkpoint_{n}`` (picked now, over committed
+        manifests); a new save id, nothing written yet."""
+        url = self.url
+        if name is not None:
+            base = self.project if self.project is not None else self.url
+            assert base is not None
+            url = base.child(name)
+        return ObjectSave.begin(url, self.project if url is None else None, model_only=model_only,
+                                storage_options=self.storage_options)
+
+    def join_shared(self, token: Any) -> ObjectSave:
+        """Every other process: the save the main process began (from its ``token``)."""
+        return ObjectSave.join(token, storage_options=self.storage_options)
+
+    def _part_url(self) -> ObjectUrl:
+        if self.url is None:
+            raise ValueError(f"{self.location}: a part save or view needs a named checkpoint, not a project")
+        return self.url
+
+    def begin_part(self, *, commit: bool = True) -> ObjectPartSave:
+        """A save of the named checkpoint every process uploads its own objects into (:class:`.parts.ObjectPartSave`:
+        a new save id, the manifest object last; ``commit=False``: straight under the URL, a prefix inside a save
+        an outer save commits)."""
+        return ObjectPartSave(self._part_url(), self.storage_options, commit=commit)
+
+    def join_part(self, token: Any) -> ObjectPartSave:
+        """The part save another process began (its save id, from ``token``)."""
+        return ObjectPartSave.join(self._part_url(), self.storage_options, token)
+
+    def open_part(self) -> ObjectPartView:
+        """The newest committed save of the named checkpoint, listed and checked; objects read into memory as
+        asked (:class:`.parts.ObjectPartView`, released by its ``close``)."""
+        return ObjectPartView(RemoteCheckpoint(self.store, self._part_url()), owned=True)
 
     def remove(self, ref: Committed) -> None:
         """Delete its manifests first (it stops counting at once), then its objects."""
@@ -201,6 +240,11 @@ class ObjectStorage:
             return []
         return [str(u) for u in rotate_object_checkpoints(self.store, self.project, total_limit,
                                                           model_only=model_only)]
+
+
+def _part_views(remote: RemoteCheckpoint) -> Callable[[str], ObjectPartView]:
+    """``parts(name)`` of an opened sharded save: the part's view over ``remote`` (which stays the opener's)."""
+    return lambda name: ObjectPartView(remote, name)
 
 
 def _eager_objects(remote: RemoteCheckpoint) -> tuple[list[str], bool]:
