@@ -322,17 +322,9 @@ class SafetensorsFile:
             TruncatedFileError, OSError: the file shrank or cannot be read.
         """
 
-    def read_span(self, start: int, buffer: Buffer, *, threads: int = 0) -> None:
-        """Fill the writable, C-contiguous ``buffer`` with the file's bytes ``[start, start + len(buffer))`` by
-        8 MiB positional reads, GIL released: 16 in flight when the range looks cold (0 threads), else
-        min(8, cores) workers.
-
-        Raises:
-            fastckpt.TruncatedFileError: the range runs past the end of the file. OSError: a read failed.
-        """
-        ...
     def looks_cached(self) -> bool:
-        """Whether the data section's first and middle pages are in the page cache (a cheap probe)."""
+        """Whether the data section looks cached: its pages at 1/5, 2/5, 3/5 and 4/5 are in the page cache (a cheap
+        probe; its first pages prove nothing, the header's readahead brought them)."""
         ...
     def prefetch(self, *, max_bytes: int = ...) -> None:
         """Start reading the tensors' bytes (at most ``max_bytes``) into the page cache without waiting

@@ -14,7 +14,6 @@ dropped (tensors already taken keep their memory), and every later call raises
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import Any, Dict, List, Union
 
@@ -56,27 +55,6 @@ def _memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 1 << 32
-
-
-def _read_whole(file: Any) -> memoryview:
-    """The whole of ``file`` (an opened ``_core.SafetensorsFile``) in a fresh anonymous mapping, its data section
-    read by many large positional reads in flight (``read_span``), the header bytes left zero: tensors at the
-    same absolute offsets (so the same alignment) as in the file mapping. Huge pages are asked for, so filling
-    1 GB faults about 500 pages instead of 260 000.
-
-    Why not the file mapping, prefetched: a cold mapped load faults pages in one readahead window at a time;
-    ``posix_fadvise(WILLNEED)`` over the whole file first submits its reads from the calling thread, in order,
-    and was measured at 0.35x run:ai's streamer (16 workers of large reads into one buffer) on a 1 GB file.
-    """
-    buf = mmap.mmap(-1, file.file_size)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no transparent huge pages here: 4 KiB pages, same bytes
-        pass
-    view = memoryview(buf)
-    start = file.data_start
-    file.read_span(start, view[start:])
-    return view
 
 
 def _row_window(index: Any, rows: int) -> tuple[int, int, Any] | None:
@@ -227,18 +205,20 @@ class safe_open:  # noqa: N801 - the name safetensors users import
         return _Slice(self, name, dtype_name, shape)
 
     def get_tensors(self) -> Dict[str, torch.Tensor]:
-        """Every tensor, in file order: the mmap backend, when the file is cold and at most a quarter of the
-        machine's memory, reads it whole into one private anonymous buffer by 8 MiB positional reads, 16 in flight
-        (:func:`_read_whole`), and hands out views of that (as writable and private as the mapping's); otherwise
-        (warm, or larger) it views the mapping, asking the kernel to read a cold file ahead first; the pread backend reads every tensor in one parallel call of the core (file order,
-        readahead-hinted)."""
+        """Every tensor, in file order: the mmap backend hands out zero-copy views of the private file mapping,
+        first asking the kernel to read a cold data section ahead (``posix_fadvise(WILLNEED)`` over at most a
+        quarter of the machine's memory, skipped when it looks cached), so the pages arrive from large reads in
+        flight instead of one fault at a time; the pread backend reads every tensor in one parallel core call
+        (file order, readahead-hinted).
+
+        Why views and not a read into fresh memory (issue 26, measured cold on a 1.1 GB file, 2 shared cores):
+        positional reads into a fresh anonymous buffer (16 x 8 MiB in flight, huge pages) took 0.5-0.7 s against
+        0.16-0.24 s for the hinted mapping; the read allocates every page twice (page cache and buffer) and copies
+        every byte once more, which is CPU the two cores do not have (benches/RESULTS.md).
+        """
         self._check_open()
         if self._backend == "mmap":
-            budget = _memory_bytes() // 4
-            if self._file.file_size <= budget and not self._file.looks_cached():
-                self._view = _read_whole(self._file)  # cold: many large reads in flight, not one fault at a time
-            else:
-                self._file.prefetch(max_bytes=budget)
+            self._file.prefetch(max_bytes=_memory_bytes() // 4)
             return {name: self.get_tensor(name) for name in self._entries}
         out, targets = {}, []
         for name, dtype_name, shape, _, _ in self._entries.values():

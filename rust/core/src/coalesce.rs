@@ -1,14 +1,13 @@
 //! Coalesced positional reads: the loads' read jobs (pieces of tensors, sorted by file offset) are grouped into
 //! runs of touching byte ranges of up to a few MiB, and each run is one `preadv` into the pieces' own
-//! destinations; [`read_span`] reads one whole byte range of a file into one buffer in [`BLOCK`] pieces with
-//! many reads in flight (a cold `fastckpt.torch.load_file`). Free functions of an open file and the path that
-//! names it in errors: the reader and the verifier build on them (nothing here knows a safetensors header).
+//! destinations. Free functions of an open file and the path that names it in errors: the reader and the verifier
+//! build on them (nothing here knows a safetensors header).
 //!
 //! Why: a training state of many small and medium tensors (GPT-2 small: 593 tensors, most under 3 MiB) was read
 //! as one blocking `pread` per tensor piece on min(8, cores) workers: on a 2-core machine two small reads in flight
 //! at a time, each waiting the device's latency. One `preadv` per run of touching tensors turns 593 reads into
-//! about as many as the bytes need at [`BLOCK`] each, and a cold whole-file read keeps [`IO_THREADS`] of them in
-//! flight (run:ai's model streamer does the same: 16 workers of large reads into one buffer).
+//! about as many as the bytes need at a few MiB each, with the readahead helper (readahead.rs) keeping the device
+//! busy ahead of them.
 
 use std::fs::File;
 use std::io;
@@ -16,16 +15,10 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::Ordering;
 
 use crate::error::{Error, Result};
-use crate::pool;
-use crate::readahead::{cached, with_readahead};
+use crate::readahead::cached;
 
-/// The largest coalesced read (bytes) when nothing is summed.
-pub(crate) const BLOCK: u64 = 8 << 20;
-/// Workers for a cold read: blocking reads in flight at the device (more than cores is the point: they wait).
-pub(crate) const IO_THREADS: usize = 16;
 /// The most pieces one `preadv` takes (Linux's `IOV_MAX`).
 const MAX_IOV: usize = 1024;
 
@@ -116,52 +109,6 @@ pub(crate) fn preadv_exact(
 /// pages prove nothing: opening the file read its header, and readahead brought the pages after it).
 pub(crate) fn sampled_cached(file: &File, start: u64, len: u64) -> bool {
     len == 0 || (1..5).all(|k| cached(file, start + len * k / 5))
-}
-
-/// Fill `buf` with the bytes `[start, start + buf.len())` of `file` (named `path` in errors): [`BLOCK`]-sized
-/// positional reads by `threads` workers (0: [`IO_THREADS`] when the range does not look cached, else min(8,
-/// cores)), in file order, with readahead hints ahead of them. A range past the end of the file is
-/// [`Error::Truncated`].
-pub(crate) fn read_span(
-    path: &Path,
-    file: &File,
-    start: u64,
-    buf: &mut [u8],
-    threads: usize,
-) -> Result<()> {
-    let len = buf.len() as u64;
-    let threads = match threads {
-        0 if !sampled_cached(file, start, len) => IO_THREADS,
-        n => pool::resolve_threads(n),
-    };
-    let blocks: Vec<std::sync::Mutex<Option<&mut [u8]>>> = buf
-        .chunks_mut(BLOCK as usize)
-        .map(|b| std::sync::Mutex::new(Some(b)))
-        .collect();
-    let ranges: Vec<(u64, u64)> = (0..blocks.len() as u64)
-        .map(|k| {
-            (
-                start + k * BLOCK,
-                (start + (k + 1) * BLOCK).min(start + len),
-            )
-        })
-        .collect();
-    with_readahead(file, &ranges, |done| {
-        pool::run::<(), _>(threads, blocks.len(), None, |_, k| {
-            let block = blocks[k]
-                .lock()
-                .expect("block lock")
-                .take()
-                .expect("each block once");
-            let at = ranges[k].0;
-            read_exact_at(path, file, block, at, || {
-                format!("bytes [{start}, {})", start + len)
-            })?;
-            done.fetch_add(ranges[k].1 - at, Ordering::Relaxed);
-            Ok(())
-        })
-    })?;
-    Ok(())
 }
 
 /// `read_exact_at` of `buf` at `offset` in `file` (named `path`), a short file as [`Error::Truncated`] naming

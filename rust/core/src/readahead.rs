@@ -74,11 +74,6 @@ pub(crate) fn willneed(file: &File, offset: u64, len: u64) {
     }
 }
 
-/// Whether the start and the middle of `len` bytes of `file` at `offset` are in the page cache.
-pub(crate) fn looks_cached(file: &File, offset: u64, len: u64) -> bool {
-    cached(file, offset) && cached(file, offset + len / 2)
-}
-
 /// `ranges` merged where they touch, cut into windows of at most [`WINDOW`] bytes: `(offset, length)`.
 fn merged_windows(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut merged: Vec<(u64, u64)> = Vec::new();

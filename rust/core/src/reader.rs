@@ -13,12 +13,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
-use crate::coalesce::{read_run, read_span, runs, sampled_cached};
+use crate::coalesce::{read_run, runs, sampled_cached};
 use crate::error::{Error, IoContext, Result};
 use crate::file_open::open_file_as;
 use crate::header::{self, Header, TensorInfo};
 use crate::pool;
-use crate::readahead::{looks_cached, willneed, with_readahead};
+use crate::readahead::{willneed, with_readahead};
 
 /// One positional read: (file offset, destination, index of the tensor's name).
 type ReadJob<'a> = (u64, &'a mut [u8], usize);
@@ -164,7 +164,8 @@ impl SafetensorsFile {
     }
 
     /// Start reading the data section into the page cache (at most `max_bytes` of it) without waiting, unless it
-    /// looks cached already: a load that will touch every tensor of a mapped file (`load_file`) then finds the
+    /// looks cached already (pages at 1/5..4/5 of it are; the first pages prove nothing, the header's readahead
+    /// brought them): a load that will touch every tensor of a mapped file (`load_file`) then finds the
     /// pages arriving from many large reads in flight instead of faulting them in one readahead window at a time.
     /// A closed file is not hinted.
     pub fn prefetch(&self, max_bytes: u64) {
@@ -173,7 +174,7 @@ impl SafetensorsFile {
         };
         let start = self.header.data_start;
         let len = self.file_size.saturating_sub(start).min(max_bytes);
-        if len > 0 && !looks_cached(&file, start, len) {
+        if len > 0 && !sampled_cached(&file, start, len) {
             willneed(&file, start, len);
         }
     }
@@ -349,15 +350,6 @@ impl SafetensorsFile {
             }
         }
         Ok(out)
-    }
-
-    /// Fill `buf` with the file's bytes `[start, start + buf.len())`: `BLOCK`-sized positional reads by
-    /// `threads` workers (0: 16 when the range does not look cached, else min(8, cores)), in file order, with
-    /// readahead hints ahead of them (see coalesce.rs). A range past the end of the file is
-    /// [`Error::Truncated`].
-    pub fn read_span_into(&self, start: u64, buf: &mut [u8], threads: usize) -> Result<()> {
-        let file = self.handle("read_span_into")?;
-        read_span(&self.path, &file, start, buf, threads)
     }
 
     /// Whether the data section looks like it is in the page cache: pages at a fifth, two, three and four

@@ -265,38 +265,7 @@ impl SafetensorsFile {
         Ok((done.bytes, done.tensors))
     }
 
-    /// Fill `buffer` (writable, C-contiguous) with the file's bytes `[start, start + len(buffer))` by 8 MiB
-    /// positional reads on `threads` workers (0: 16 when the range looks cold, many reads in flight; else
-    /// min(8, cores)), GIL released; raises TruncatedFileError past the end, OSError.
-    #[pyo3(signature = (start, buffer, *, threads = 0))]
-    fn read_span(
-        &self,
-        py: Python<'_>,
-        start: u64,
-        buffer: &Bound<'_, PyAny>,
-        threads: usize,
-    ) -> PyResult<()> {
-        let buf = PyUntypedBuffer::get(buffer)?;
-        if buf.readonly() || !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!(
-                "{}: the target buffer of read_span must be writable and C-contiguous",
-                self.inner.path().display()
-            )));
-        }
-        let (addr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
-        py.detach(|| {
-            let ptr = NonNull::new(addr as *mut u8)
-                .filter(|_| len > 0)
-                .unwrap_or(NonNull::dangling());
-            // SAFETY: the buffer is exported (held by `buf` until this call returns), writable and C-contiguous;
-            // a zero length uses a dangling, aligned pointer.
-            let slice = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) };
-            self.inner.read_span_into(start, slice, threads)
-        })
-        .map_err(to_py)
-    }
-
-    /// Whether the data section looks cached (its start and middle pages are in the page cache).
+    /// Whether the data section looks cached (its pages at 1/5..4/5 are in the page cache).
     fn looks_cached(&self, py: Python<'_>) -> bool {
         py.detach(|| self.inner.data_looks_cached())
     }
