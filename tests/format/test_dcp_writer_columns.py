@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.dcp_reference_writer import reference_files_and_text
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -13,7 +14,6 @@ from fastckpt._format.dcp_index import ChunkIndex, chunk_name, shard_file_name
 from fastckpt._format.dcp_metadata import parse_metadata
 from fastckpt.dcp.global_plan import merge_save_plans
 from fastckpt.dcp.writer import StorageWriter
-from helpers.dcp_reference_writer import reference_files_and_text
 
 LLM_SHAPES = [("model.embed_tokens.weight", (128256, 4096)), ("model.layers.0.self_attn.k_proj.weight", (1024, 4096)),
               ("model.layers.0.mlp.down_proj.weight", (4096, 14336)), ("model.norm.weight", (4096,))]
@@ -26,14 +26,15 @@ def _row_block(rows: int, world: int, r: int) -> tuple[int, int]:
 
 
 def _plans(world: int, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype = torch.float32,
-           objects: bool = False) -> list[SavePlan]:
-    """FSDP2 + AdamW plans: every tensor Shard(0) (param, exp_avg, exp_avg_sq), a replicated 0-dim step each."""
+           objects: bool = False, reverse: bool = False) -> list[SavePlan]:
+    """FSDP2 + AdamW plans: every tensor Shard(0) (param, exp_avg, exp_avg_sq), a replicated 0-dim step each
+    (``reverse``: rank r holds block ``world - 1 - r``, so the chunks' plan order is not their sorted order)."""
     props = TensorProperties(dtype=dtype)
     plans = []
     for r in range(world):
         items = []
         for name, shape in shapes:
-            start, n = _row_block(shape[0], world, r)
+            start, n = _row_block(shape[0], world, world - 1 - r if reverse else r)
             if n:
                 offsets = (start,) + (0,) * (len(shape) - 1)
                 chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size((n,) + shape[1:]))
@@ -51,16 +52,21 @@ def _plans(world: int, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.d
 
 
 def _results(world: int, plans: list[SavePlan], *, rename: dict[str, str] | None = None,
-             drop_hints: bool = False) -> list[list[WriteResult]]:
+             drop_hints: bool = False, objects_per_rank: int = 1) -> list[list[WriteResult]]:
     """What the ranks send back: one file per rank, canonical chunk names (``rename``: fqn -> the fqn whose stored
-    chunk it points at, a tied weight; a name with a quote appended for the others it names)."""
+    chunk it points at, a tied weight; a name with a quote appended for the others it names;
+    ``objects_per_rank``: an s3 save's further objects ``shard-r-of-N.0000k.safetensors``, chunk i in object i % k)."""
     values = {"extra.épreuve": {"text": "naïve \"quoted\" \\ tab\t", "n": [1, 2.5, None, True]}, "lr_%d": 0.001}
     out = []
     for r, plan in enumerate(plans):
         file = shard_file_name(r, world)
         digests = [(file, (1 << 20, 0, [], []))]
         rank = []
-        for item in plan.items:
+        for i, item in enumerate(plan.items):
+            if i % objects_per_rank:
+                file = f"{shard_file_name(r, world).removesuffix('.safetensors')}.{i % objects_per_rank:05d}.safetensors"
+            else:
+                file = shard_file_name(r, world)
             index = MetadataIndex(item.index.fqn, item.index.offset, None) if drop_hints else item.index
             if item.type == WriteItemType.BYTE_IO:
                 rank.append(WriteResult(index=index, size_in_bytes=0,
@@ -113,6 +119,17 @@ def test_tied_and_renamed_chunks_and_bfloat16_write_the_reference_bytes():
     assert _new_writer(metadata, results) == want
     index = ChunkIndex(want[1], "i")
     assert index.doc["aliases"] == ["embed"] and index.doc["names"]  # tied (alias) and renamed (quote) names
+
+
+def test_extra_files_are_numbered_as_the_reference_numbers_them():
+    # an s3 save's further objects per rank, chunks in the plans' order unlike their sorted order
+    world = 12
+    plans, metadata = merge_save_plans(_plans(world, [("w", (40, 3)), ("b", (30,))], reverse=True))
+    results = _results(world, plans, objects_per_rank=3)
+    want = reference_files_and_text(metadata, results)
+    assert _new_writer(metadata, results) == want
+    extra = ChunkIndex(want[1], "i").doc["files"]["extra"]
+    assert len(extra) > world and extra != sorted(extra)  # numbered in the chunks' sorted order, not by name
 
 
 def test_shuffled_results_and_a_missing_chunk():

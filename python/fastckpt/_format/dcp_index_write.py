@@ -14,9 +14,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fastckpt import _core
 from fastckpt._format.codec import encode
-from fastckpt._format.dcp_index import _PREFIX, FORMAT, MAGIC, MAX_TAIL, chunk_name, shard_file_name
+from fastckpt._format.dcp_index import _PREFIX, FORMAT, MAGIC, MAX_TAIL, chunk_name, shard_rank
 from fastckpt._format.dcp_metadata import ChunkLocation, storage_meta_json
-from fastckpt._format.dcp_metadata_write import TensorColumns
+from fastckpt._format.dcp_metadata_write import TensorColumns, make_columns
 from fastckpt._format.dtypes import to_safetensors_dtype
 
 __all__ = ["build_index", "build_index_columns", "index_bytes"]
@@ -50,8 +50,8 @@ def build_index(tensors: dict[str, tuple[str, list[int], list[tuple[tuple[int, .
     for fqn, (dtype, size, chunks) in tensors.items():
         n, ndim = len(chunks), len(size)
         locs = [locations[(fqn, tuple(o))] for o, _ in chunks]
-        columns[fqn] = (dtype, size, TensorColumns(
-            np.array([o for o, _ in chunks], dtype=np.int64).reshape(n, ndim),
+        columns[fqn] = (dtype, size, make_columns(
+            fqn, size, np.array([o for o, _ in chunks], dtype=np.int64).reshape(n, ndim),
             np.array([s for _, s in chunks], dtype=np.int64).reshape(n, ndim),
             list(map(_FILE, locs)), list(map(_NAME, locs))))
     return build_index_columns(columns, world, **header)
@@ -83,22 +83,21 @@ def build_index_columns(tensors: dict[str, tuple[str, list[int], TensorColumns]]
         sweep = max(range(ndim), key=lambda d: len(np.unique(offs[:, d]))) if ndim and n else 0
         order = np.lexsort([offs[:, d] for d in reversed(range(ndim)) if d != sweep] + [offs[:, sweep]]) \
             if ndim else np.arange(n)
-        for f in dict.fromkeys(col.files):  # each file's id once (a shard's, or one past the ranks)
-            if f not in ids:
-                ids[f] = _file_id(f, world, extra)
+        new = [f for f in dict.fromkeys(col.files) if f not in ids]
+        if any(shard_rank(f, world) is None for f in new):  # extra files are numbered as met in the sorted order
+            new = [f for f in dict.fromkeys(map(col.files.__getitem__, order.tolist())) if f not in ids]
+        for f in new:
+            rank = shard_rank(f, world)
+            ids[f] = world + extra.setdefault(f, len(extra)) if rank is None else rank
         file_ids = np.fromiter(map(ids.__getitem__, col.files), np.int64, n)[order]
-        whole = [fqn] if n == 1 and ndim and sizes[0].tolist() == list(size) and not offs.any() else None
-        template = fqn.replace("%", "%%") + "@" + ",".join(["%d"] * ndim)  # chunk_name's, formatted per chunk
-        canonical = whole or (list(map(template.__mod__, map(tuple, offs.tolist()))) if ndim else [fqn] * n)
-        if col.names == canonical:
+        if col.canonical:
             name_ids = np.full(n, -1, dtype=np.int64)
         else:
             if not stored_keys:
                 stored_keys.update((k, tuple(o)) for k, (_, _, c) in tensors.items() for o in c.offsets.tolist())
             chunks = list(zip(map(tuple, offs.tolist()), map(tuple, sizes.tolist())))
             # in the sorted order: names and aliases are numbered as they are first met
-            name_ids = np.array([-1 if col.names[k] == canonical[k] else
-                                 _name_id(col.names[k], fqn, chunks[k], size, names, aliases, stored_keys)
+            name_ids = np.array([_name_id(col.names[k], fqn, chunks[k], size, names, aliases, stored_keys)
                                  for k in order.tolist()], dtype=np.int64)
         offs, sizes = offs[order], sizes[order]
         columns = [_column(offs[:, d], body, at) for d in range(ndim)]
@@ -113,14 +112,6 @@ def build_index_columns(tensors: dict[str, tuple[str, list[int], TensorColumns]]
         "tensors": entries}, allow_nan=False).encode("utf-8")
     header += b" " * (-len(header) % 8)
     return _PREFIX.pack(MAGIC, 1, _core.crc32c(header), len(header)) + header + b"".join(body)
-
-
-def _file_id(file: str, world: int, extra: dict[str, int]) -> int:
-    if file.startswith("shard-") and file.endswith(f"-of-{world:05d}.safetensors"):
-        digits = file[len("shard-"):-len(f"-of-{world:05d}.safetensors")]
-        if digits.isdigit() and int(digits) < world and shard_file_name(int(digits), world) == file:
-            return int(digits)
-    return world + extra.setdefault(file, len(extra))
 
 
 def _name_id(name: str, fqn: str, chunk: tuple, size: list[int], names: dict[str, int], aliases: dict[str, int],

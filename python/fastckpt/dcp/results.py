@@ -72,7 +72,7 @@ def merge_results(metadata: Metadata, results: list[list[WriteResult]]
             if found is None:
                 found = _by_offsets(results)
             where, names = _located(fqn, chunks, found)
-        columns[fqn] = columns_of(md[fqn], where, names)
+        columns[fqn] = columns_of(fqn, md[fqn], where, names)
     return columns, objects, files
 
 

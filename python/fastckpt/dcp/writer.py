@@ -269,7 +269,7 @@ class StorageWriter(_DCPStorageWriter):
         """``(dcp_metadata.json, dcp_index.bin, {file: manifest entry})`` of the save (coordinator), written from
         columns (:mod:`fastckpt.dcp.results`)."""
         columns, objects, files = merge_results(metadata, results)
-        text = metadata_text(metadata, columns, objects)
+        text = metadata_text(metadata, columns, objects, len(results))
         return text, index_bytes(metadata, columns, objects, len(results), text), files
 
     def _finish(self, text: bytes, index: bytes, files: dict[str, dict[str, Any]]) -> None:
