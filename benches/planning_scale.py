@@ -63,7 +63,11 @@ def linear_model(world: int, tensors: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def llm_model(world: int, layers: int = 32) -> list[tuple[str, tuple[int, ...]]]:
-    """An 8B Llama-shaped decoder (hidden 4096, 8 KV heads of 128, MLP 14336, vocabulary 128256): 291 tensors."""
+    """An 8B Llama-shaped decoder (hidden 4096, 8 KV heads of 128, MLP 14336, vocabulary 128256): 291 tensors at
+    32 layers. Every layer has the same 9 tensors, so each rank's share of each layer (its ``Shard(0)`` blocks, the
+    chunks per tensor) is the same whatever the number of layers: the coordinator's work is the embeddings' and
+    head's plus ``layers`` times one layer's, and fewer layers model the same per-rank shape in less memory (all
+    32 at 2816 ranks are ~3.3 M plan items, ~14 GB in this one process)."""
     h, kv, mlp, vocab = 4096, 1024, 14336, 128256
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(layers):
@@ -260,6 +264,19 @@ def rank_state(world: int, r: int, metadata: Any) -> dict[str, Any]:
     return state
 
 
+def commit_manifest(folder: pathlib.Path, files: dict[str, Any]) -> None:
+    """Write the ``fastckpt.json`` a committing ``fastckpt.dcp.StorageWriter`` (``fastckpt.dcp.save``) writes
+    into the folder it commits: one entry per file of the save (every rank's shard file)."""
+    import json
+
+    from fastckpt._io.storage.local.layout import MANIFEST, manifest_dict
+
+    sizes = {name: entry["bytes"] for name, entry in files.items()}
+    checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
+    (folder / MANIFEST).write_text(json.dumps(manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums),
+                                              indent=2))
+
+
 def rank_load_indexed(world: int, folder: pathlib.Path) -> tuple[int, int]:
     """What one rank (``world // 2``) does to plan a load over an indexed folder: ``StorageReader.read_metadata``
     (the index's header), ``fastckpt.dcp.LoadPlanner`` (the chunks its boxes overlap, by binary search; DCP's
@@ -276,8 +293,9 @@ def rank_load_indexed(world: int, folder: pathlib.Path) -> tuple[int, int]:
     return len(plan.items), reader._parsed.index.bytes_read
 
 
-def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int, float]]:
-    """Ops and seconds of each coordinator step (and one rank's load planning) at ``world`` ranks."""
+def measure(world: int, tensors: int, model: Any = None, *, full: bool = True) -> dict[str, tuple[int, float]]:
+    """Ops and seconds of each coordinator step (and one rank's load planning) at ``world`` ranks (``full``: also
+    one rank's planning and parse over the whole ``dcp_metadata.json``, what a rank did before the index)."""
     plans = rank_plans(world, tensors, model)
     out: dict[str, tuple[int, float]] = {}
     ops, secs, (final, metadata) = count_ops(lambda: global_plan(plans))
@@ -306,14 +324,18 @@ def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int,
     out["coordinator total"] = (sum(out[k][0] for k in ("global plan", "writer", "manifest")),
                                 sum(out[k][1] for k in ("global plan", "writer", "manifest")))
     out["coordinator total, wall s"] = (0, sum(walls))
-    ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
-    out["rank load plan, full metadata"] = (ops, secs)
-    from fastckpt._format.dcp_metadata import parse_metadata
+    if full:
+        ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
+        out["rank load plan, full metadata"] = (ops, secs)
+        from fastckpt._format.dcp_metadata import parse_metadata
 
-    ops, secs, _ = count_ops(lambda: parse_metadata(text, "dcp_metadata.json"))
-    out["rank metadata parse, full metadata"] = (ops, secs)
+        ops, secs, _ = count_ops(lambda: parse_metadata(text, "dcp_metadata.json"))
+        out["rank metadata parse, full metadata"] = (ops, secs)
     ops, secs, (items, looked_at) = count_ops(lambda: rank_load_indexed(world, folder))
     out["rank index read + load plan"] = (ops, secs)
+    commit_manifest(folder, files)  # the same folder as fastckpt.dcp.save commits it: the reader reads its manifest
+    ops, secs, _ = count_ops(lambda: rank_load_indexed(world, folder))
+    out["rank index read + load plan, committed folder (+ its manifest)"] = (ops, secs)
     ops, secs, _ = count_ops(lambda: rank_manifest_read(manifest_text))
     out["rank manifest read (every rank's entries)"] = (ops, secs)
     out["dcp_metadata.json KB"] = (0, len(text) / 1e3)
@@ -330,6 +352,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=16, help="Linear layers (weight + bias each)")
     parser.add_argument("--llm", type=int, default=0, metavar="N",
                         help="also model an 8B Llama-shaped FSDP2 + AdamW state on N ranks (accelerate#4099: 2816)")
+    parser.add_argument("--llm-layers", type=int, default=4, metavar="L",
+                        help="decoder layers of the --llm model (of the 8B model's 32; see llm_model)")
     parser.add_argument("--no-count", "--wall-only", dest="no_count", action="store_true",
                         help="time without counting calls (no profiler)")
     args = parser.parse_args()
@@ -341,13 +365,16 @@ def main() -> None:
           "+ AdamW (exp_avg, exp_avg_sq sharded, step replicated); N ranks; ops = Python/C calls, s = CPU seconds")
     print("| step | " + " | ".join(f"N={w}" for w in worlds) + " | ops ratio per doubling |")
     print("|---|" + "---|" * (len(worlds) + 1))
+    measure(64, args.tensors)  # warm-up (imports, first calls): not reported
     rows = {w: measure(w, args.tensors) for w in worlds}
     _table(rows, worlds)
     if args.llm:
         world = args.llm
-        print(f"\n8B Llama-shaped model (291 tensors, Shard(0) over N ranks by torch.chunk's split) + AdamW, N={world}")
+        model = llm_model(world, args.llm_layers)
+        print(f"\n8B Llama-shaped model, {args.llm_layers} of its 32 decoder layers ({len(model)} of 291 tensors, "
+              f"Shard(0) over N ranks by torch.chunk's split) + AdamW, N={world}")
         print(f"| step | N={world} |\n|---|---|")
-        llm = measure(world, 0, llm_model(world))
+        llm = measure(world, 0, model, full=False)
         for step, (ops, secs) in llm.items():
             print(f"| {step} | {_cell(step, ops, secs)} |")
 

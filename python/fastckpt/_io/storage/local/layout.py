@@ -244,13 +244,17 @@ def peek_manifest(folder: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) else None
 
 
+_HEX8 = re.compile("[0-9a-f]{8}")
+_HEX32 = re.compile("[0-9a-f]{32}")
+
+
 def _is_hex8(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _HEX8.fullmatch(value) is not None  # one call per entry, not one per digit
 
 
 def is_hash_hex(value: Any) -> bool:
     """Whether ``value`` is a content hash as the manifest stores it: 32 lowercase hex digits (xxh3-128)."""
-    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _HEX32.fullmatch(value) is not None
 
 
 def _check_sharing_fields(bad: Any, manifest: dict[str, Any]) -> None:
