@@ -138,6 +138,9 @@ def test_shuffled_results_and_a_missing_chunk():
     results = _results(world, plans)
     results.reverse()  # results need not come in the plan's order: placed by their hints
     assert _new_writer(metadata, results)[0] == reference_files_and_text(metadata, results)[0]
+    wrong = [[WriteResult(MetadataIndex(r.index.fqn, r.index.offset, (r.index.index or 0) + k), r.size_in_bytes,
+                          r.storage_data) for r in rank] for k, rank in enumerate(results)]  # hints that lie
+    assert _new_writer(metadata, wrong) == reference_files_and_text(metadata, wrong)
     del results[0][0]
     with pytest.raises(KeyError, match="no rank wrote the chunk of 'w' at offsets \\[14, 0\\]"):
         _new_writer(metadata, results)

@@ -44,9 +44,9 @@ def merge_results(metadata: Metadata, results: list[list[WriteResult]]
     stray: list[WriteResult] = []  # results no hint places
     for rank_results in results:
         last_digests = None
-        for r in rank_results:
+        for r in rank_results:  # no function call per result: subscripts and tests only
             data = r.storage_data
-            digests = data.get("digests", ())
+            digests = data["digests"] if "digests" in data else ()
             if digests is not last_digests:  # a rank's results share one list: its files, entered once
                 last_digests = digests
                 for name, digest in digests:
@@ -55,13 +55,15 @@ def merge_results(metadata: Metadata, results: list[list[WriteResult]]
             if "object" in data:
                 objects[index.fqn] = data["object"]
                 continue
-            place = places.get(index.fqn)
             hint = index.index
-            if place is None or hint is None or not 0 <= hint < len(place[0]):
+            try:
+                if hint is None or hint < 0:
+                    raise IndexError(hint)
+                offsets, where, names = places[index.fqn]
+                offsets[hint] = index.offset  # IndexError past the tensor's chunks
+            except (KeyError, IndexError, TypeError):
                 stray.append(r)
                 continue
-            offsets, where, names = place
-            offsets[hint] = index.offset
             where[hint] = data["file"]
             names[hint] = data["name"]
     columns: dict[str, TensorColumns] = {}
