@@ -22,8 +22,17 @@ its ``step`` replicated on every rank, as FSDP2 gives them):
   rows of every tensor), which DCP runs on every rank;
 - ``rank metadata parse``: one rank's reading of the merged ``dcp_metadata.json`` (every rank parses and checks
   it on load: N chunks per tensor, their cover checked).
+- ``rank index read + load plan``: what one rank does to plan its load over the folder's ``dcp_index.bin`` (read
+  its header, plan with the chunks its boxes overlap, look up each chunk it reads; ``dcp_metadata.json`` is never
+  read); ``, committed folder``: the same over the folder as ``fastckpt.dcp.save`` commits it, whose manifest
+  ``fastckpt.json`` (one entry per rank's shard file) the reader also reads.
 - ``rank manifest read``: one rank's parse of the checkpoint's manifest, which still lists every rank's files (the
   modelled entries carry no per-tensor crc32c / xxh3, so this is a lower bound of the real manifest's cost).
+
+``--llm N`` adds an 8B Llama-shaped FSDP2 + AdamW state on N ranks (accelerate#4099: 2816), with ``--llm-layers``
+of its 32 decoder layers (default 4: every layer has the same per-rank shape, see :func:`llm_model`).
+``--writer-ab N`` runs only a same-run A/B of the metadata + index writer (the per-chunk one it replaced against
+the column one, same bytes checked).
 
 Work is counted as Python function calls (``sys.setprofile``: every ``call`` and ``c_call`` event), which is
 deterministic; CPU seconds of the process (``time.process_time``) are printed beside it, with the
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -346,6 +356,42 @@ def measure(world: int, tensors: int, model: Any = None, *, full: bool = True) -
     return out
 
 
+def writer_ab(world: int, tensors: int, rounds: int = 5) -> None:
+    """Same-run A/B of the coordinator's ``dcp_metadata.json`` + ``dcp_index.bin`` building on one set of plans and
+    write results: the per-chunk writer this replaced (``tests/helpers/dcp_reference_writer.py``) against
+    ``StorageWriter._metadata_text`` (columns), alternated, CPU seconds, garbage collector paused for both (as
+    ``finish`` pauses it); prints each round and the median of the per-round ratios. Both give the same bytes."""
+    import gc
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.dcp_reference_writer import reference_files_and_text
+
+    import fastckpt.dcp
+
+    plans = rank_plans(world, tensors)
+    final, metadata = global_plan(plans)
+    results = write_results(world, final)
+    writer = fastckpt.dcp.StorageWriter("unused", commit=False)
+    ratios = []
+    for k in range(rounds):
+        secs = {}
+        for name in (("reference", "columns") if k % 2 == 0 else ("columns", "reference")):
+            gc.disable()
+            start = time.process_time()
+            if name == "reference":
+                out = reference_files_and_text(metadata, results)
+            else:
+                out = writer._metadata_text(metadata, results)[:2]
+            secs[name] = time.process_time() - start
+            gc.enable()
+            secs[name + " bytes"] = out
+        assert secs["reference bytes"] == secs["columns bytes"]
+        ratios.append(secs["columns"] / secs["reference"])
+        print(f"round {k}: reference {secs['reference']:.3f} s, columns {secs['columns']:.3f} s, "
+              f"ratio {ratios[-1]:.2f}")
+    print(f"writer A/B at N={world}: median per-round ratio columns / reference {statistics.median(ratios):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,512,1024,2048,4096")
@@ -354,19 +400,33 @@ def main() -> None:
                         help="also model an 8B Llama-shaped FSDP2 + AdamW state on N ranks (accelerate#4099: 2816)")
     parser.add_argument("--llm-layers", type=int, default=4, metavar="L",
                         help="decoder layers of the --llm model (of the 8B model's 32; see llm_model)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="R",
+                        help="measure every world R times (in turn) and print the median seconds (calls are exact)")
+    parser.add_argument("--no-full", action="store_true",
+                        help="skip the rows over the whole dcp_metadata.json (what a rank did before the index)")
+    parser.add_argument("--writer-ab", type=int, default=0, metavar="N",
+                        help="only the same-run A/B of the metadata + index writer (per-chunk vs columns) at N ranks")
     parser.add_argument("--no-count", "--wall-only", dest="no_count", action="store_true",
                         help="time without counting calls (no profiler)")
     args = parser.parse_args()
     global PROFILE
     PROFILE = not args.no_count
     sys.path.insert(0, str(ROOT / "python"))
+    if args.writer_ab:
+        writer_ab(args.writer_ab, args.tensors)
+        return
     worlds = [int(w) for w in args.ranks.split(",")]
     print(f"synthetic FSDP2 plans: {args.tensors} x (weight [{ROWS_PER_RANK}N, {COLS}] + bias [{ROWS_PER_RANK}N]) "
           "+ AdamW (exp_avg, exp_avg_sq sharded, step replicated); N ranks; ops = Python/C calls, s = CPU seconds")
     print("| step | " + " | ".join(f"N={w}" for w in worlds) + " | ops ratio per doubling |")
     print("|---|" + "---|" * (len(worlds) + 1))
     measure(64, args.tensors)  # warm-up (imports, first calls): not reported
-    rows = {w: measure(w, args.tensors) for w in worlds}
+    runs: dict[int, list[dict[str, tuple[int, float]]]] = {w: [] for w in worlds}
+    for _ in range(args.repeat):  # the worlds in turn, each round: the machine's load hits them alike
+        for w in worlds:
+            runs[w].append(measure(w, args.tensors, full=not args.no_full))
+    rows = {w: {step: (rs[0][step][0], statistics.median(r[step][1] for r in rs)) for step in rs[0]}
+            for w, rs in runs.items()}
     _table(rows, worlds)
     if args.llm:
         world = args.llm
