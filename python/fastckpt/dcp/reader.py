@@ -223,7 +223,8 @@ class StorageReader(_DCPStorageReader):
         if records is None and self._remote is not None:
             records = self._remote.manifest["manifest"].get("files", {})
         elif records is None:  # sizes: of the files this rank opens, when it opens them
-            records = read_manifest(folder, check_sizes=False).get("files", {}) if (folder / MANIFEST).is_file() else {}
+            records = read_manifest(folder, check_sizes=False, check_entries=False).get("files", {}) \
+                if (folder / MANIFEST).is_file() else {}
         self._records = records if isinstance(records, dict) else {}
         recorded = self._records.get(METADATA_FILE)
         if isinstance(recorded, dict) and recorded.get("crc32c") != index.doc.get("metadata_crc32c"):
