@@ -25,6 +25,7 @@ from fastckpt.errors import (
     HeaderError,
     IntegrityError,
     KeyMismatchError,
+    MemoryTierFullWarning,
     MetaTensorError,
     MissingStateError,
     OptionError,
@@ -36,7 +37,7 @@ from fastckpt.errors import (
     TruncatedFileError,
     UnsafePickleError,
 )
-from fastckpt.manager import CheckpointManager, Preempted
+from fastckpt.manager import CheckpointManager, Preempted, release_kept
 
 #: public submodules loaded on first attribute access (``fastckpt.torch.save_file``): torch-free tooling and an
 #: optional accelerate stay out of ``import fastckpt``
@@ -74,7 +75,9 @@ __all__ = [
     "RngRestoreWarning",
     "CheckpointManager",
     "Preempted",
+    "release_kept",
     "TierSkippedWarning",
+    "MemoryTierFullWarning",
     "ResumeWarning",
     "CheckpointError",
     "OptionError",

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from fastckpt._io.async_save.modes import check_mode, start_async
-from fastckpt._io.async_save.snapshot import has_device_tensors
-from fastckpt._io.async_save.writer import committed_path, finish_pending, submit
+from fastckpt._io.async_save.modes import check_mode, writer_for
+from fastckpt._io.async_save.writer import finish_pending
 from fastckpt._io.group.distributed import check_timeout
 from fastckpt._io.storage.base import Storage
 from fastckpt._plan.save import build_save_plan
@@ -103,19 +102,20 @@ def save_to(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, mod
             total_limit: int | None, step: int, durable: bool, threads: int, max_shard_size: Any, compat: Any,
             async_save: bool | str, trainable_only: bool, trainable_buffers: Sequence[str], dtype: Any,
             share_unchanged: bool, timeout: float, host_memory_budget: Any) -> Any:
-    """:func:`fastckpt.save_state` after ``resolve``, for every backend: plan, begin, write, commit (on the
-    writer thread for async saves and device tensors; see :mod:`fastckpt._io.async_save.modes`), then rotate;
-    returns ``save.returned(...)`` of that (the folder or URL, an ``AsyncSave``, a tiered save's ``TieredSave``)."""
+    """:func:`fastckpt.save_state` after ``resolve``, for every backend: plan, begin, write and commit (by the
+    writer of the ``async_save`` mode, :mod:`fastckpt._io.async_save.modes`), then rotate; returns
+    ``save.returned(...)`` of that (the folder or URL, an ``AsyncSave``, a tiered save's ``TieredSave``)."""
     check_mode(async_save)
     _check_save_args(model, threads, step, total_limit)
     timeout = check_timeout(timeout)
     models = _as_list(model, "model")
     sharded = is_sharded(models)
     storage.check_save(sharded=sharded, async_save=async_save, share_unchanged=share_unchanged)
-    snapshot_only = storage.snapshot_only
-    # a streaming or synchronous save first waits for the saves in flight (commits in call order, fresh numbers);
-    # every save raises an earlier async save's unreported failure here, once
-    finish_pending(wait=async_save != "snapshot" and snapshot_only is None)
+    writer = writer_for(async_save, optimizers=[] if model_only else _as_list(optimizer, "optimizer"),
+                        budget=host_memory_budget, snapshot_only=storage.snapshot_only)
+    # an in-order save (synchronous or streaming) first waits for the saves in flight (commits in call order, fresh
+    # numbers); every save raises an earlier async save's unreported failure here, once
+    finish_pending(wait=writer.in_order)
     save = storage.begin(model_only=model_only, step=step)
     try:
         if share_unchanged and compat is not None:
@@ -132,23 +132,12 @@ def save_to(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, mod
                      threads=threads)
         if share_unchanged:  # the storage links what equals its previous checkpoint (see fastckpt._plan.share)
             save.share(*split_shared(plan, models, max_shard_size=max_shard_size, threads=threads))
-        options = {"durable": durable, "threads": threads}
 
         def after() -> None:  # after a successful commit (on the writer thread for async saves)
             if total_limit is not None:
                 storage.rotate(total_limit, model_only=model_only)
 
-        if async_save:  # True, "stream" or "snapshot" (see fastckpt._io.async_save.modes)
-            result = start_async(plan, [] if model_only else _as_list(optimizer, "optimizer"), save, async_save,
-                                 options=options, budget=host_memory_budget, auto_named=save.number is not None,
-                                 after=after, snapshot_only=snapshot_only)
-        elif has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
-            result = submit(plan, save, options=options, blocking=snapshot_only is None,
-                            auto_named=save.number is not None, after=after).wait()
-        else:
-            save.write(plan, **options)
-            result = committed_path(save, save.commit())
-            after()
+        result = writer.write(plan, save, options={"durable": durable, "threads": threads}, after=after)
     except BaseException:
         save.abort()  # drop what was staged (an async save's writer owns the save once started)
         raise

@@ -54,7 +54,7 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
             raise ValueError(f"{name}={value!r} does not apply to a sharded (DTensor / FSDP2) model: its shards are "
                              "written through torch.distributed.checkpoint; pass None")
     if max_shard_size is not None:
-        from fastckpt._io.storage.local.shards import parse_size
+        from fastckpt._io.sizes import parse_size
 
         max_shard_size = parse_size(max_shard_size)
     if async_save:
@@ -74,7 +74,7 @@ def save_sharded_state(models: list, optimizers: list, schedulers: list, *, stor
                         step=step, durable=durable, threads=threads, timeout=timeout,
                         writer_factory=dcp_storage_writer, max_shard_size=max_shard_size)
     if total_limit is not None and process_rank() == 0:
-        storage.rotate(total_limit)  # the full checkpoints (a named folder is never rotated)
+        storage.rotate(total_limit, model_only=model_only)  # the kind saved (a named folder is never rotated)
     return path
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "OptionTypeError",
     "DurableSaveError",
     "TierSkippedWarning",
+    "MemoryTierFullWarning",
     "ResumeWarning",
 ]
 
@@ -161,6 +162,13 @@ class TierSkippedWarning(UserWarning):
     """A checkpoint tier (the memory tier, a peer's replica, the local or the remote durable tier) held a damaged,
     partial or unreadable checkpoint, so a restore skipped it and went on to the next one. The message names the
     tier, the folder (or URL), the step and the error; nothing of it was applied."""
+
+
+class MemoryTierFullWarning(UserWarning):
+    """The memory tier had no room for a ``CheckpointManager`` save (``ENOSPC`` / ``EDQUOT`` / ``ENOMEM`` writing
+    into ``/dev/shm`` or the ``memory=`` folder): the partial snapshot was removed and the step was saved to the
+    durable tier instead, in ``step()``. The message names the memory folder, the bytes the state needs and the
+    remedies (``memory=False``, a larger tmpfs, a smaller state)."""
 
 
 class ResumeWarning(UserWarning):

@@ -18,9 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
-from fastckpt._io.async_save.modes import check_mode, start_async
-from fastckpt._io.async_save.snapshot import has_device_tensors
-from fastckpt._io.async_save.writer import AsyncSave, finish_pending, submit, wait_for_saves_to
+from fastckpt._io.async_save.modes import check_mode, writer_for
+from fastckpt._io.async_save.writer import AsyncSave, WriteTo, finish_pending, wait_for_saves_to
 from fastckpt._io.location import check_location
 from fastckpt._io.storage.local.commit import check_target, write_checkpoint
 from fastckpt._io.storage.local.folder import RETRIES, pinned
@@ -96,13 +95,10 @@ def save(
     target = check_target(path, "path")
     plan = build_dict_plan(obj, trust_pickle=trust_pickle)
     write = functools.partial(write_checkpoint, durable=durable, threads=threads)
-    if async_save:  # the modes of save_state (fastckpt._io.async_save.modes); without optimizers a snapshot
-        return start_async(plan, opts, target.absolute(), async_save if opts else "snapshot", write=write,
-                           budget=host_memory_budget)
-    if has_device_tensors(plan):  # stage through the host buffer pool, wait for the write
-        return submit(plan, target, write=write, blocking=True).wait()
-    write(plan, target)
-    return target
+    # the writers of save_state's modes (fastckpt._io.async_save.modes); without optimizers an async save is a snapshot
+    writer = writer_for(async_save if opts or not async_save else "snapshot", optimizers=opts,
+                        budget=host_memory_budget)
+    return writer.write(plan, WriteTo(target.absolute() if async_save else target, write))
 
 
 def load(

@@ -5,6 +5,7 @@ checkpoints out, ``load_state(input_dir=None)`` resumes from the newest full che
 
 from __future__ import annotations
 
+import pytest
 import torch
 from accelerate.utils import ProjectConfiguration
 from helpers.accelerate_state import assert_restored, prepared_state, snapshot
@@ -81,3 +82,18 @@ def test_accelerate_honours_an_explicit_output_dir_with_automatic_naming(tmp_pat
     assert not (tmp_path / "proj" / "model_only").exists() and not (tmp_path / "proj" / "checkpoints").exists()
     explicit = fastckpt.accelerate.save_state(acc, tmp_path / "full")
     assert explicit == (tmp_path / "full").absolute() and (tmp_path / "full" / "fastckpt.json").is_file()
+
+
+def test_accelerate_refuses_a_total_limit_below_one_before_saving(tmp_path, new_accelerator):
+    """A total_limit that cannot be kept (0) is refused before anything is written: the save never commits a
+    checkpoint and then fails in its rotation."""
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=0)
+    acc = new_accelerator(project_config=config)
+    prepared_state(acc, 0, steps=1)
+    for model_only in (False, True):
+        with pytest.raises(ValueError, match="total_limit must be an int >= 1"):
+            fastckpt.accelerate.save_state(acc, model_only=model_only)
+    assert _visible(tmp_path / "checkpoints") == [] and _visible(tmp_path / "model_only") == []
+    assert acc.project_configuration.iteration == 0
+    weights = fastckpt.accelerate.save_state(acc, tmp_path / "named")  # no rotation of a named folder: it saves
+    assert (weights / "fastckpt.json").is_file()

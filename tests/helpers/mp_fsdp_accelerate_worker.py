@@ -11,6 +11,8 @@ accelerate ignores the FSDP plugin on CPU; its FSDP2 code path runs when ``distr
 - sharded_main_only: an FSDP2 model saved on the main process only: CheckpointError there, at once.
 - sharded: SHARDED_STATE_DICT save after 2 steps -> load into fresh prepared objects: equal, step restored.
 - full: FULL_STATE_DICT save (single-file layout written by the main process) -> load: equal.
+- auto_model_only: SHARDED_STATE_DICT with automatic naming and total_limit=1: model-only snapshots go to
+  ``model_only/`` and rotate there; ``iteration`` counts the full checkpoints only.
 """
 
 from __future__ import annotations
@@ -190,13 +192,35 @@ def scenario(kind: str, rank: int) -> None:
     checks[f"{kind}_result"] = [result.missing_keys, result.unexpected_keys]
 
 
+def scenario_auto_model_only(rank: int) -> None:
+    """SHARDED_STATE_DICT with automatic naming (total_limit=1): model-only snapshots are numbered and rotated apart
+    (``model_only/``) and leave ``iteration`` to the full checkpoints, as the replicated path does."""
+    from accelerate.utils import ProjectConfiguration
+
+    project = OUT / "auto"
+    acc = fsdp_accelerator("SHARDED_STATE_DICT")
+    acc.project_configuration = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True,
+                                                     total_limit=1)
+    prepared(acc, 0, 1)
+    names = [fastckpt.accelerate.save_state(acc).relative_to(project).as_posix()]
+    for _ in range(2):
+        names.append(fastckpt.accelerate.save_state(acc, model_only=True).relative_to(project).as_posix())
+    checks["auto_iteration_after_snapshots"] = acc.project_configuration.iteration
+    names.append(fastckpt.accelerate.save_state(acc).relative_to(project).as_posix())
+    checks["auto_names"] = names
+    dist.barrier()
+    checks["auto_left"] = sorted(f"{kind}/{p.name}" for kind in ("checkpoints", "model_only")
+                                 for p in (project / kind).iterdir() if not p.name.startswith("."))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for name, fn in (("diffusers", lambda: scenario_diffusers(rank)), ("sharded", lambda: scenario("sharded", rank)),
                      ("sharded_main_only", lambda: scenario_sharded_main_only(rank)),
-                     ("full", lambda: scenario("full", rank))):
+                     ("full", lambda: scenario("full", rank)),
+                     ("auto_model_only", lambda: scenario_auto_model_only(rank))):
         try:
             fn()
             checks[f"scenario_{name}"] = None

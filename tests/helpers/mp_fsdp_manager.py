@@ -13,6 +13,9 @@ training is bit-identical to one plain process). Each rank's memory tier is its 
 - damaged: a flipped byte in rank 0's memory-tier model file: rank 0 warns (TierSkippedWarning naming the memory
   tier), and every rank restores step 4 from the durable tier (a normal sharded checkpoint, one collective load);
   trained on to step 6, equal to the reference.
+- reborn: the project folder deleted after step 4 and a fresh run started at the same path with the same memory
+  folders: every rank skips its old snapshot (TierSkippedWarning naming both incarnation ids) and starts at 0;
+  trained to step 6, equal to the reference.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _run(out: Path, name: str, rank: int, world: int, until: int):
 
 def fsdp_scenarios(out: Path, rank: int, world: int, checks: dict) -> None:
     ref = full_state(*reference("tiny", TOTAL)[:2])
-    for name in ("fsdp_memory", "fsdp_damaged", "fsdp_lost"):
+    for name in ("fsdp_memory", "fsdp_damaged", "fsdp_lost", "fsdp_reborn"):
         mgr, model, opt, _, _, _ = _run(out, name, rank, world, STOP)
         saved = local_state(model, opt)
         mgr.wait()  # the replicas are in place
@@ -72,6 +75,8 @@ def fsdp_scenarios(out: Path, rank: int, world: int, checks: dict) -> None:
         if name == "fsdp_lost" and rank == 0:  # rank 1's machine replaced, the durable step 4 gone too
             shutil.rmtree(out / name / "mem1")
             shutil.rmtree(out / name / "proj" / "checkpoints" / f"checkpoint_{STOP}")
+        if name == "fsdp_reborn" and rank == 0:  # rm -rf the project; a fresh run at the same path and memory
+            shutil.rmtree(out / name / "proj")
         if name == "fsdp_damaged" and rank == 0:
             path = out / name / "mem0" / "checkpoints" / f"checkpoint_{STOP}" / "model.local_rank0.safetensors"
             data = bytearray(path.read_bytes())

@@ -23,6 +23,8 @@ Scenarios, for both models (``gpt2``: transformers GPT-2 with tied wte/lm_head; 
 - plan cache: a resave of an unchanged state reuses the cached DCP plans (no global planning on the coordinator);
   a state with new optimizer state, then a model with other parameter shapes, saved to the same folder, plan
   again and load back bit-exact into fresh objects.
+- rotation kinds (W = 2): automatic naming with ``total_limit=1``: model-only snapshots rotate ``model_only/``
+  only; the full checkpoint stays (``rotation_left``).
 - timeout (W >= 2): rank 1 skips a save; the others raise CollectiveTimeoutError naming it, within ``timeout``;
   when rank 1 then calls it, it raises too (the save was given up), and the next save works on every rank.
 - s3 (W = 2, ``FASTCKPT_TEST_S3`` = a fresh ``s3://`` prefix on the test process's moto server): the trained state
@@ -459,6 +461,19 @@ def scenario_timeout(rank: int, world: int) -> None:
     checks["timeout_then_saved"] = (path / "fastckpt.json").is_file()
 
 
+def scenario_rotation_kinds(rank: int, world: int) -> None:
+    """Automatic naming with ``total_limit=1``: sharded model-only snapshots rotate ``model_only/`` and leave the
+    full checkpoint in ``checkpoints/`` alone, as a one-process save does."""
+    model, opt, sched = fresh("tiny")
+    project = OUT / f"w{world}_rotation"
+    fastckpt.save_state(model, opt, sched, project_dir=project, total_limit=1)
+    for _ in range(2):
+        fastckpt.save_state(model, project_dir=project, model_only=True, total_limit=1)
+    dist.barrier()
+    checks["rotation_left"] = sorted(f"{kind}/{p.name}" for kind in ("checkpoints", "model_only")
+                                     for p in (project / kind).iterdir() if not p.name.startswith("."))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -478,6 +493,7 @@ def main() -> None:
             record("scenario_timeout", lambda: scenario_timeout(rank, world))
         if world == 2:
             record("scenario_integrity", lambda: scenario_integrity(rank, world))
+            record("scenario_rotation_kinds", lambda: scenario_rotation_kinds(rank, world))
         if world == 2 and S3:
             record("scenario_s3", lambda: scenario_s3(rank, world))
     except Exception:

@@ -169,6 +169,40 @@ def scenarios(rank: int, world: int) -> None:
     checks["durable_restart"] = [start, mgr.restored_from]
     checks["durable_equal"] = same(got, ref)
     mgr.close()
+    memory_full(rank, world, ref)
+
+
+def memory_full(rank: int, world: int, ref: dict) -> None:
+    """``/dev/shm`` full (ENOSPC injected into the memory snapshot's files): the last rank's at step 3, rank 0's at
+    step 6 (rank 0 then writes step 6 durably in step()); nobody raises or hangs; after a crash at step 7 the
+    restart restores step 6 (rank 0 from the durable tier, the others from memory) and ends bit-exact."""
+    from fastckpt._io.storage.local import commit
+
+    real = commit.write_text
+    full_at = {world - 1: 3, 0: 6}.get(rank)
+    mem = str(OUT / "memory_full" / f"mem{rank}")
+
+    def write_text(path, data, durable):
+        if full_at is not None and str(path).startswith(mem) and f".checkpoint_{full_at}.fastckpt-staging" in str(path):
+            raise OSError(28, "No space left on device (injected)", str(path))
+        return real(path, data, durable)
+
+    commit.write_text = write_text
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr, _, _, _ = train("memory_full", rank, until=7)
+            mgr.wait()
+    finally:
+        commit.write_text = real
+    checks["memory_full_warned"] = [str(w.message) for w in caught if w.category is fastckpt.MemoryTierFullWarning]
+    checks["memory_full_leftovers"] = sorted(p.name for p in Path(mem, "checkpoints").iterdir())
+    mgr.signals.uninstall()  # the process "dies" at step 7
+    dist.barrier()
+    mgr, start, got, _ = train("memory_full", rank)
+    checks["memory_full_restart"] = [start, mgr.restored_from]
+    checks["memory_full_equal"] = same(got, ref)
+    mgr.close()
 
 
 class Trap:

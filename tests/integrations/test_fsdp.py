@@ -194,6 +194,14 @@ def test_a_rank_that_never_calls_makes_the_others_raise(runs, world):
     assert "given up before this process arrived" in results[world][1]["timeout"]["message"]
 
 
+def test_sharded_model_only_snapshots_rotate_their_own_kind(runs):
+    """total_limit=1 with automatic naming: two sharded model-only snapshots leave the newest of them and the full
+    checkpoint (the rotation of model_only/ never reaches checkpoints/)."""
+    _, results = runs
+    for res in results[2]:
+        assert res["rotation_left"] == ["checkpoints/checkpoint_0", "model_only/checkpoint_1"], res["rotation_left"]
+
+
 def test_consolidate_gives_a_hugging_face_folder(runs, one_thread, tmp_path):
     out, _ = runs
     from transformers import GPT2LMHeadModel

@@ -109,6 +109,15 @@ def test_fsdp2_round_trip(results, kind):
         assert res[0]["full_model_file"] is True
 
 
+def test_fsdp2_automatic_naming_numbers_and_rotates_model_only_snapshots_apart(results):
+    _, res = results
+    for r in res:  # every process counts the same; the two model-only snapshots left iteration alone
+        assert r["auto_iteration_after_snapshots"] == 1
+        assert r["auto_names"] == ["checkpoints/checkpoint_0", "model_only/checkpoint_0", "model_only/checkpoint_1",
+                                   "checkpoints/checkpoint_1"]
+        assert r["auto_left"] == ["checkpoints/checkpoint_1", "model_only/checkpoint_1"]
+
+
 @pytest.mark.parametrize("kind, hint", [(DistributedType.DEEPSPEED, "DeepSpeed"),
                                         (DistributedType.MEGATRON_LM, "Megatron-LM"),
                                         (DistributedType.XLA, "XLA")])

@@ -138,3 +138,34 @@ def test_fsdp_lost_node_restores_its_local_shards_from_a_peer_replica(run):
                                                               for r in range(world)]
     assert all(res["fsdp_lost_warnings"] == [] for res in results)
     assert all(res["fsdp_lost_local_equal"] is True and res["fsdp_lost_equal"] is True for res in results)
+
+
+def test_fsdp_recreated_project_skips_the_old_runs_local_shards(run):
+    """The project folder deleted and made again at the same path: the old run's local-shards snapshots in each
+    rank's memory tier belong to another incarnation; every rank skips its own with a warning naming both ids and
+    the run starts over, bit-exact against the reference (it restored step 4 of the deleted run)."""
+    world, out, results = run
+    assert [res["fsdp_reborn_restart"] for res in results] == [[0, None]] * world
+    for res in results:
+        warned = res["fsdp_reborn_warnings"]
+        assert len(warned) == 1 and warned[0].startswith("TierSkippedWarning"), warned
+        assert "earlier incarnation of the project" in warned[0] and "this one is" in warned[0]
+        assert res["fsdp_reborn_equal"] is True
+
+
+def test_a_full_memory_tier_on_any_rank_loses_no_step(run):
+    """ENOSPC writing the memory snapshot: the last rank's at step 3, rank 0's at step 6 (which rank 0 then writes
+    durably in step()); no rank raises or hangs, nothing half-written stays, the restart restores step 6 and ends
+    bit-exact against the uninterrupted run."""
+    world, out, results = run
+    for r, res in enumerate(results):
+        warned = res["memory_full_warned"]
+        if r in (0, world - 1):
+            step = 6 if r == 0 else 3
+            assert len(warned) == 1 and f"mem{r} has no room for step {step}" in warned[0], warned
+            assert ("written to the durable tier" in warned[0]) == (r == 0), warned[0]
+        else:
+            assert warned == []
+        assert all(name.startswith("checkpoint_") for name in res["memory_full_leftovers"]), res
+        assert res["memory_full_restart"] == [6, "local" if r == 0 else "memory"]
+        assert res["memory_full_equal"] is True

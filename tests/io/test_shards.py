@@ -15,7 +15,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 
 import fastckpt
-from fastckpt._io.storage.local.shards import parse_size
+from fastckpt._io.sizes import parse_size
 
 
 class Wide(nn.Module):

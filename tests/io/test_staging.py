@@ -95,3 +95,18 @@ def test_cleanup_skips_what_it_may_not_remove():
         assert leftovers(shared) == {}
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_unwritable_output_dir_names_the_folder_given(tmp_path):
+    """save_state into a place that takes no files (``/proc/x``: ENOENT; ``/sys/x``: EACCES even for root) raises the
+    builtin OSError class of its errno (errors.py: permission and disk errors stay builtin) naming the folder the user
+    gave; it named fastckpt's hidden ``.x.fastckpt-staging-....lock`` file."""
+    model = make_tiny(0)
+    for given, kind in (("/proc/x", FileNotFoundError), ("/sys/x", PermissionError)):
+        try:
+            fastckpt.save_state(model, output_dir=given)
+        except kind as exc:
+            assert exc.filename == given, exc
+            assert given in str(exc) and ".lock" not in str(exc) and "staging" not in str(exc), exc
+        else:
+            raise AssertionError(f"save_state to {given} did not raise {kind.__name__}")

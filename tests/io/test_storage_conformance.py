@@ -1,6 +1,7 @@
 """The storage conformance suite: what every backend of :class:`fastckpt._io.storage.base.Storage` must do, run
-against each one (a local folder, ``s3://`` on the moto server of tests/helpers/s3_server.py, and the memory tier
-of the checkpoint manager).
+against each one (a local folder, ``s3://`` on the moto server of tests/helpers/s3_server.py, the memory tier
+of the checkpoint manager, and the tiered composition: a local folder in front of ``s3://``, whose verbs are the
+local tier's until a save's upload, started by ``StagedSave.returned``, commits remotely).
 
 The conventions checked (see :mod:`fastckpt._io.storage.base`): a save that was not committed is never listed and
 never opened; a commit makes the whole save visible (bit-exact) or raises and changes nothing; ``list`` orders by
@@ -39,6 +40,12 @@ def _s3(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
     return resolve(f"{url}/ckpt" if named else None, project_dir=None if named else url)
 
 
+def _tiered(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
+    url = request.getfixturevalue("s3_url")
+    return resolve(tmp_path / "run" / "ckpt" if named else None, project_dir=tmp_path / "run",
+                   remote=f"{url}/ckpt" if named else url)
+
+
 def _memory(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Storage:
     if named:
         pytest.skip("the memory tier names its checkpoints by step: it has no named locations")
@@ -49,7 +56,7 @@ def _memory(request: pytest.FixtureRequest, tmp_path: Path, named: bool) -> Stor
 #: backend name -> factory ``(request, tmp_path, named) -> Storage``: a project whose checkpoints are numbered
 #: (``named=False``), or one named checkpoint location (``named=True``).
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest, Path, bool], Storage]] = {
-    "local": _local, "s3": _s3, "memory": _memory,
+    "local": _local, "s3": _s3, "memory": _memory, "tiered": _tiered,
 }
 
 

@@ -251,7 +251,7 @@ def test_registered_objects_must_match(tmp_path):
 def test_a_failed_background_save_is_raised_at_the_next_step(tmp_path):
     state = build()
     mgr = manager(tmp_path, state)
-    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj").mkdir(exist_ok=True)  # made by the manager (its incarnation id)
     (tmp_path / "proj" / "checkpoints").write_text("a file where the durable tier goes")
     train_step(*state)
     mgr.step(2)  # committed in memory; the durable copy fails in the background
@@ -289,7 +289,7 @@ def test_a_failed_background_save_nobody_waited_for_is_reported_at_exit(tmp_path
     import subprocess
     import sys
 
-    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj").mkdir(exist_ok=True)  # made by the manager (its incarnation id)
     (tmp_path / "proj" / "checkpoints").write_text("a file where the durable tier goes")
     script = (
         "import torch, fastckpt\n"

@@ -120,3 +120,50 @@ def test_the_trainer_preemption_signals_are_a_typed_error():
 
     with pytest.raises(OptionError, match="fastckpt_preemption_signals: 9 is not a signal that can be caught"):
         check_signals([int(signal.SIGKILL)])
+
+
+@pytest.mark.parametrize("where", ["durable writer", "event board", "second signal"])
+def test_a_constructor_failing_after_the_claim_leaves_nothing_behind(tmp_path, monkeypatch, where):
+    """A failure after the memory tier was claimed (and the project id written, the handler installed) undoes it
+    all: no owner file, no folder made, the previous signal handlers back (the owner file stayed in /dev/shm)."""
+    from fastckpt.manager import preemption, starting
+
+    class Boom(Exception):
+        pass
+
+    def boom(*args, **kw):
+        raise Boom(where)
+
+    if where == "durable writer":
+        monkeypatch.setattr(starting, "DurableWriter", boom)
+    elif where == "event board":
+        monkeypatch.setattr(starting, "EventBoard", boom)
+    else:  # SIGTERM installed, then SIGUSR1 refused
+        real = signal.signal
+
+        def second(signum, handler):
+            if signum == signal.SIGUSR1 and handler is preemption._dispatch:
+                raise Boom(where)
+            return real(signum, handler)
+
+        monkeypatch.setattr(preemption.signal, "signal", second)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(Boom):
+        make(tmp_path, memory=tmp_path / "shm" / "job" / "rank0")
+    monkeypatch.undo()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+    assert list(tmp_path.iterdir()) == []  # no owner file, no memory folder, no project folder or id
+    mgr = make(tmp_path, memory=tmp_path / "shm" / "job" / "rank0")  # nothing claimed: a new one works
+    mgr.close()
+
+
+def test_a_constructor_failing_on_the_default_memory_tier_leaves_no_owner_file(tmp_path, monkeypatch):
+    from fastckpt._io.storage.memory import default_memory_root
+    from fastckpt.manager import starting
+
+    monkeypatch.setenv("FASTCKPT_JOB_ID", f"test-failed-constructor-{tmp_path.name}")
+    job = default_memory_root(tmp_path / "proj", 0).parent
+    monkeypatch.setattr(starting, "EventBoard", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        make(tmp_path, memory=True)
+    assert not job.exists() and not (tmp_path / "proj").exists()

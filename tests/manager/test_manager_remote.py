@@ -62,3 +62,23 @@ def test_only_the_remote_tier_left_damaged_refuses(tmp_path, s3_endpoint):
     with pytest.warns(TierSkippedWarning, match="remote tier"), pytest.raises(fastckpt.CheckpointError) as info:
         mgr.restore()  # starting over would overwrite the damaged checkpoint: refused, naming it
     assert type(info.value) is fastckpt.CheckpointError and "remote tier's checkpoint of step 2" in str(info.value)
+
+
+def test_readme_recipe_trying_remote_locally_runs_as_written(tmp_path):
+    """README's "Trying remote= locally" block (from ``# recipe: try remote= locally with a moto S3 server`` to the
+    end of its code block), run as written in a fresh interpreter in an empty folder: its own moto server, the
+    environment it sets, a second "machine" restoring step 6 from S3."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("# recipe: try remote= locally with a moto S3 server")
+    (tmp_path / "recipe.py").write_text(text[start:text.index("```", start)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "FASTCKPT_JOB_ID"}
+    proc = subprocess.run([sys.executable, "recipe.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["s3://demo/run/checkpoints/checkpoint_6", "6 remote True"]
+    assert (tmp_path / "machine1" / "checkpoints" / "checkpoint_6").is_dir()

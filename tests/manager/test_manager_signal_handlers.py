@@ -124,3 +124,28 @@ def test_a_handler_set_after_the_manager_is_left_alone(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[0] == f"[{int(signal.SIGTERM)}] False"
+
+
+def test_a_caught_preempted_keeps_the_handler_until_release_kept_or_a_new_manager(tmp_path):
+    """The documented rule (Preempted's docstring, README "Preemption and crashes"): after a Preempted the signals
+    stay recorded (a second SIGTERM while the process exits changes nothing); a process that caught it gets its
+    own handler back from fastckpt.release_kept(), or from the next manager's close()."""
+    proc = child(tmp_path, """
+        signal.signal(signal.SIGTERM, mine)
+        out = []
+        for name, release in (("a", fastckpt.release_kept), ("b", lambda: make("c").close())):
+            mgr = make(name)
+            mgr.request_preemption()
+            try:
+                mgr.step(1)
+            except fastckpt.Preempted as exc:
+                assert exc.path.is_dir()
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded by the kept handler: not passed on, not fatal
+            out.append(len(seen))
+            release()
+            os.kill(os.getpid(), signal.SIGTERM)  # the process's own handler again
+            out.append(len(seen))
+        print(out)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 1, 1, 2]"

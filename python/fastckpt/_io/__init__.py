@@ -3,7 +3,7 @@
 Sub-packages by concern, each importing only the ones listed before it (``tests/architecture`` checks the order):
 
 - shared modules here: files (``FilePart`` / ``SavePlan``, what a writer takes), log, location (the one check of a
-  path's URL scheme), safe_open (the safetensors-compatible reader), device_load (pinned bounce buffers, side
+  path's URL scheme), sizes (``"10GB"`` / ``"512MiB"`` to bytes), safe_open (the safetensors-compatible reader), device_load (pinned bounce buffers, side
   streams), tensor_hashes (content hashes of live tensors);
 - ``group``: process-group plumbing (sessions, participation, store waits);
 - ``storage``: where checkpoints live, the interface (``storage.base``) and one sub-package per backend:

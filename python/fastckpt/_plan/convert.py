@@ -342,7 +342,7 @@ def _consolidate_sharded(src: Path, dst: Path, *, to: str, max_shard_size: int |
         MissingStateError: ``to`` is not ``"hf-model"``.
     """
     from fastckpt._io.dcp.consolidate import consolidate
-    from fastckpt._io.storage.local.shards import parse_size
+    from fastckpt._io.sizes import parse_size
 
     if to != "hf-model":
         raise MissingStateError(f"{src}: a sharded (FSDP2 / DTensor) checkpoint, whose tensors are DCP shards; "

@@ -32,7 +32,8 @@ def _shard(plan: SavePlan, max_shard_size: int | str | None) -> SavePlan:
     """Split the model and optimizer parts of ``plan`` into Hugging Face shards (see :mod:`fastckpt._io.storage.local.shards`)."""
     if max_shard_size is None:
         return plan
-    from fastckpt._io.storage.local.shards import parse_size, split_part
+    from fastckpt._io.sizes import parse_size
+    from fastckpt._io.storage.local.shards import split_part
 
     limit = parse_size(max_shard_size)
     parts: list[FilePart] = []

@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 
 from fastckpt import _core
-from fastckpt._format.json_input import decode_json, load_json
+from fastckpt._format.json_input import decode_json
 from fastckpt._io.group.distributed import Session
 from fastckpt._io.storage.local.file_size import recorded_size_problem
-from fastckpt._io.storage.local.folder import verify_file
+from fastckpt._io.storage.local.folder import read_checked_json, verify_file
 from fastckpt._io.storage.local.layout import MANIFEST, part_name, random_states_name, read_manifest, unlisted_files
 from fastckpt._state.optimizer import param_fqns
 from fastckpt._state.optimizer_checks import dropped_state_lines
@@ -33,7 +33,7 @@ from fastckpt._state.rng import RngRestoreWarning, RngState, read_rng_state
 from fastckpt._state.sharded import model_destination, optimizer_destination, owner_model
 from fastckpt.errors import MissingStateError
 
-__all__ = ["is_sharded_checkpoint", "plan_sharded_load", "ShardedLoad", "ReaderFactory"]
+__all__ = ["is_sharded_checkpoint", "plan_sharded_load", "assemble_load", "ShardedLoad", "ReaderFactory"]
 
 #: ``reader_factory(folder, checksums, verify=, threads=)`` -> a DCP ``StorageReader`` over one part folder
 #: (``model/``, ``optimizer/``, ...); ``checksums``: that part's files as the manifest records them
@@ -113,21 +113,6 @@ def _dcp_load(dest: dict[str, torch.Tensor], reader: Any, session: Session) -> N
     run_dcp(dcp.load, dest, session, storage_reader=reader, planner=planner)
 
 
-def _read_json(folder: Path, name: str, what: str, record: Any = None) -> Any:
-    path = folder / name
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold") from None
-    want = record.get("crc32c") if isinstance(record, dict) else None
-    if isinstance(want, str) and f"{_core.crc32c(data):08x}" != want:
-        from fastckpt.errors import IntegrityError
-
-        raise IntegrityError(f"{path}: crc32c {_core.crc32c(data):08x} read, {want} recorded in {MANIFEST} (the file "
-                             "is damaged); nothing was changed")
-    return load_json(data, f"{path}: not a valid fastckpt JSON file")
-
-
 def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: list, *, model_only: bool,
                       strict: bool, session: Session, reader_factory: ReaderFactory,
                       rng_rank: int | None, extra: Callable[[ShardedLoad], None] | None = None,
@@ -164,7 +149,7 @@ def plan_sharded_load(folder: Path, models: list, optimizers: list, schedulers: 
     load, dest, readers, served, saved_optimizers = found
     for sub, state in dest.items():  # a failure on any rank raises on every rank (DCP's rounds): nothing applied
         _dcp_load(state, readers[sub], session)
-    return _assemble(load, dest, models, served, saved_optimizers)
+    return assemble_load(load, dest, models, served, saved_optimizers)
 
 
 def _check_count(folder: Path, manifest: dict, kind: str, objs: list) -> None:
@@ -223,7 +208,7 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
     _refuse_unlisted(folder, [n for n in needed if n in unlisted])
     for j, opt in enumerate(optimizers):
         base = part_name("optimizer", j, "")
-        saved = _read_json(folder, base + ".json", f"optimizer {j}", records.get(base + ".json"))
+        saved = read_checked_json(folder, base + ".json", f"optimizer {j}", records.get(base + ".json"))
         owner = owner_model(opt, models, base)
         d, info = optimizer_destination(owner, opt, base, saved, part(base), strict=strict,
                                         where=f"{folder / (base + '.json')}")
@@ -239,7 +224,7 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
     for k, sched in enumerate(schedulers):
         name = part_name("scheduler", k, ".json")
         where = f"{folder / name}: not a valid fastckpt scheduler state"
-        load.schedulers.append((sched, decode_json(_read_json(folder, name, f"scheduler {k}", records.get(name)), where)))
+        load.schedulers.append((sched, decode_json(read_checked_json(folder, name, f"scheduler {k}", records.get(name)), where)))
     if not model_only and manifest.get("mode") == "full" and rng_rank is not None:
         name = random_states_name(rng_rank)
         if (folder / name).is_file():
@@ -253,8 +238,27 @@ def _validate(folder: Path, models: list, optimizers: list, schedulers: list, *,
     return load, dest, readers, served, saved_optimizers
 
 
-def _assemble(load: ShardedLoad, dest: dict[str, dict[str, torch.Tensor]], models: list, served: list,
-              saved_optimizers: list) -> ShardedLoad:
+def assemble_load(load: ShardedLoad, dest: dict[str, dict[str, torch.Tensor]], models: list, served: list,
+                  saved_optimizers: list) -> ShardedLoad:
+    """The validated ``load`` completed with what :meth:`ShardedLoad.apply` sets: each model's state (its filled
+    tensors, a live name served by a stored tie given the same tensor) and each optimizer's state and
+    ``param_groups`` (only parameters the live optimizer holds).
+
+    Args:
+        load: the load so far (schedulers, RNG, objects). dest: ``{part: {name: filled tensor}}``, the model parts
+            ``model`` / ``model_{i}`` and optimizer parts as :func:`~fastckpt._state.sharded.model_destination` and
+            ``optimizer_destination`` made them. models: the live models, in order. served: per model,
+            ``{live fqn: stored fqn}`` (``model_destination``'s ties). saved_optimizers: ``(owner model,
+            optimizer, part, info)`` with ``optimizer_destination``'s info (``param_groups``, ``state_names``,
+            ``extra_state``).
+
+    Returns:
+        ``load`` itself, its ``models`` and ``optimizers`` filled (nothing live changed).
+
+    Example:
+        >>> plan = assemble_load(load, dest, [model], [served], [(model, opt, "optimizer", info)])  # doctest: +SKIP
+        >>> plan.apply()  # doctest: +SKIP
+    """
     for i, m in enumerate(models):
         state = dict(dest[part_name("model", i, "")])
         for name, source in served[i].items():

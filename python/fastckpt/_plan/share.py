@@ -20,9 +20,10 @@ import torch
 
 from fastckpt._format.json_input import load_json
 from fastckpt._io.files import FilePart, SavePlan
+from fastckpt._io.sizes import parse_size
 from fastckpt._io.storage.local.backend import LocalStagedSave, LocalStorage
 from fastckpt._io.storage.local.layout import MANIFEST
-from fastckpt._io.storage.local.shards import index_name, parse_size, shard_name, split_part
+from fastckpt._io.storage.local.shards import index_name, shard_name, split_part
 from fastckpt._io.storage.local.sharing import share_with
 from fastckpt._io.tensor_hashes import content_hashes, remember
 from fastckpt._state.trainable import trainable_names

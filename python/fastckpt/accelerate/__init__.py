@@ -58,7 +58,13 @@ from fastckpt._plan.sharded_load import is_sharded_checkpoint
 from fastckpt._state.rng import RngRestoreWarning, warn_unrestored
 from fastckpt.accelerate.checks import check_save_args, check_supported
 from fastckpt.accelerate.fsdp import load_sharded_state, plan_full
-from fastckpt.accelerate.location import check_remote_save, checkpoint_storage, fetched_on_every_rank, set_iteration
+from fastckpt.accelerate.location import (
+    check_remote_save,
+    check_total_limit,
+    checkpoint_storage,
+    fetched_on_every_rank,
+    set_iteration,
+)
 from fastckpt.accelerate.manager import checkpoint_manager
 from fastckpt.accelerate.saving import DEFAULT_MAX_SHARD_SIZE, UNSET, save_tracked
 from fastckpt.checkpoint import LoadResult
@@ -151,7 +157,8 @@ def save_state(
         ``s3://``, the checkpoint's URL (a ``str``).
 
     Raises:
-        ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``.
+        ValueError: no ``output_dir`` without automatic naming; a bad ``compat`` / ``max_shard_size``; with
+            automatic naming, a ``ProjectConfiguration.total_limit`` below 1 (before anything is written).
         NotImplementedError: DeepSpeed, FSDP1, Megatron-LM or XLA (the message says what to use instead).
         CollectiveTimeoutError: another process did not take part within ``timeout`` (names it and the step).
         TypeError: state that cannot be stored without pickle (fastckpt layout; names its path).
@@ -198,6 +205,7 @@ def save_with_files(accelerator: Any, output_dir: Any, *, files: dict[str, str |
                       hooks=list(accelerator._save_model_state_pre_hook.values()))
     check_save_args(fsdp, compat=compat, trainable_only=trainable_only, dtype=dtype, share_unchanged=share_unchanged,
                      async_save=async_save, extras=bool(files) or after_commit is not None)
+    check_total_limit(accelerator, output_dir)
     kwargs = dict(model_only=model_only, compat=compat, max_shard_size=max_shard_size, durable=durable,
                   threads=threads, trainable_only=trainable_only, trainable_buffers=trainable_buffers, dtype=dtype,
                   share_unchanged=share_unchanged, timeout=timeout, async_save=async_save,

@@ -41,9 +41,10 @@ def save_sharded_state(accelerator: Any, output_dir: Any, *, model_only: bool, d
                         what="fastckpt.accelerate.save_state")
     limit = accelerator.project_configuration.total_limit
     if number is not None and limit is not None and int(accelerator.process_index) == 0:
-        rotate_checkpoints(project_root(accelerator), limit)
+        rotate_checkpoints(project_root(accelerator), limit, model_only=model_only)  # the kind just saved
     config = accelerator.project_configuration
-    config.iteration = number + 1 if number is not None else config.iteration + 1
+    if not model_only:  # iteration counts full checkpoints; model-only snapshots are numbered apart
+        config.iteration = number + 1 if number is not None else config.iteration + 1
     return path
 
 

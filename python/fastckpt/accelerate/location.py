@@ -29,8 +29,8 @@ from fastckpt._io.storage.base import CheckpointView, Committed, StagedSave
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST
 from fastckpt.errors import CheckpointChangedError, MissingStateError
 
-__all__ = ["checkpoint_storage", "check_remote_save", "begin_save", "named", "fetched_on_every_rank",
-           "set_iteration"]
+__all__ = ["checkpoint_storage", "check_remote_save", "check_total_limit", "begin_save", "named",
+           "fetched_on_every_rank", "set_iteration"]
 
 
 def _project_dir(accelerator: Any) -> Any:
@@ -66,6 +66,17 @@ def check_remote_save(storage: Storage, *, fsdp: str | None, async_save: Any, sh
         raise ValueError("share_unchanged hard-links local files and does not apply to s3://; pass False")
     if hooks:
         raise ValueError("save_model_state_pre_hooks write into a local folder; they do not apply to s3:// saves")
+
+
+def check_total_limit(accelerator: Any, output_dir: Any) -> None:
+    """Raises ValueError, before anything is written, for a ``total_limit`` the automatic naming's rotation cannot
+    keep (not an int >= 1); a named ``output_dir`` is never rotated, so it does not look."""
+    limit = accelerator.project_configuration.total_limit
+    if output_dir is not None or not accelerator.project_configuration.automatic_checkpoint_naming or limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"ProjectConfiguration.total_limit must be an int >= 1 (or None to keep every checkpoint), "
+                         f"got {limit!r}")
 
 
 def begin_save(accelerator: Any, storage: Storage, named_folder: bool, *, model_only: bool,

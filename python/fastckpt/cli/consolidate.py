@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Consolidate ``args.src`` into ``args.out``; returns the exit status (see the module docs)."""
     from fastckpt._io.dcp.consolidate import consolidate
-    from fastckpt._io.storage.local.shards import parse_size
+    from fastckpt._io.sizes import parse_size
 
     try:
         text = args.max_shard_size.strip()

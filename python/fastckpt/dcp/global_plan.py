@@ -159,6 +159,7 @@ def _dedup(all_plans: list[SavePlan], save_to_lowest_rank: bool) -> list[set[int
     if not shared:
         return drop
     planned = [0] * len(all_plans)  # bytes of the shared keys given to each plan so far
+    singles: dict[int, list[int]] = {}  # per first holder: its bytes of keys held once, by position
     for key, seen in holders.items():
         if len(seen) == 1:
             continue
@@ -169,7 +170,9 @@ def _dedup(all_plans: list[SavePlan], save_to_lowest_rank: bool) -> list[set[int
         if save_to_lowest_rank:
             chosen = min(plan_set)
         else:
-            before = _bytes_before(all_plans[first].items, keys[first], position, shared)
+            if first not in singles:
+                singles[first] = _bytes_before(all_plans[first].items, keys[first], shared)
+            before = singles[first][position]
             planned[first] += before
             chosen = min(plan_set, key=planned.__getitem__)
             planned[first] -= before
@@ -185,19 +188,22 @@ def _dedup(all_plans: list[SavePlan], save_to_lowest_rank: bool) -> list[set[int
     return drop
 
 
-def _bytes_before(items: list[WriteItem], keys: list[tuple[str, Any]], position: int,
-                  shared: set[tuple[str, Any]]) -> int:
-    """DCP's planned bytes of one plan's keys held by no other plan, first seen before ``position`` (a key weighs
-    what the last item with it weighs)."""
+def _bytes_before(items: list[WriteItem], keys: list[tuple[str, Any]], shared: set[tuple[str, Any]]) -> list[int]:
+    """DCP's planned bytes of one plan's keys held by no other plan, first seen before each position ``i``
+    (``[i]``, ``len(items) + 1`` entries; a key weighs what the last item with it weighs): one pass per plan, so
+    a plan of many shared keys (a replicated state) is not walked once per key."""
     last: dict[tuple[str, Any], WriteItem] = {}
-    first_before: set[tuple[str, Any]] = set()
-    for i, (key, item) in enumerate(zip(keys, items)):
-        if key in shared:
-            continue
-        if i < position:
-            first_before.add(key)
-        last[key] = item
-    return sum(_weight(last[key]) for key in first_before)
+    for key, item in zip(keys, items):
+        if key not in shared:
+            last[key] = item
+    out = [0] * (len(keys) + 1)
+    total = 0
+    for i, key in enumerate(keys):
+        out[i] = total
+        if key in last:
+            total += _weight(last.pop(key))  # counted at its first position only
+    out[len(keys)] = total
+    return out
 
 
 def _weight(item: WriteItem) -> int:
@@ -216,6 +222,8 @@ def _valid(value: TensorStorageMetadata, check_volume: bool) -> bool:
     chunks = value.chunks
     dims = len(value.size)
     count = len(chunks)
+    if {dims} != set(map(len, map(_OFFSETS, chunks))) | set(map(len, map(_SIZES, chunks))):
+        return False  # a chunk of other dimensions than its tensor: DCP's check says what (the columns would misalign)
     offsets = np.fromiter(chain.from_iterable(map(_OFFSETS, chunks)), np.int64, count * dims).reshape(count, dims)
     sizes = np.fromiter(chain.from_iterable(map(_SIZES, chunks)), np.int64, count * dims).reshape(count, dims)
     shape = np.array(value.size, dtype=np.int64)

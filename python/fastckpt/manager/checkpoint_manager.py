@@ -16,25 +16,17 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 import time
-import weakref
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from fastckpt._io.async_save.snapshot import has_device_tensors
-from fastckpt._io.async_save.writer import submit
-from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, broadcast_from_main, check_timeout, is_distributed
-from fastckpt._io.storage.local.commit import write_checkpoint
+from fastckpt._io.group.distributed import DEFAULT_TIMEOUT, Session, check_timeout, is_distributed
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR
-from fastckpt._io.storage.local.numbering import rotate_checkpoints
 from fastckpt._io.storage.memory import MemoryTier
 from fastckpt.errors import CheckpointError, DurableSaveError, OptionError, OptionTypeError
-from fastckpt.manager.durable import DurableWriter
 from fastckpt.manager.ending import Ending
 from fastckpt.manager.options import (
     check_budget,
@@ -45,15 +37,15 @@ from fastckpt.manager.options import (
     check_replicas,
     check_signals,
     check_step,
-    check_writable,
     memory_root,
     typed_option,
 )
-from fastckpt.manager.preemption import EventBoard, Preempted, SignalRecorder
-from fastckpt.manager.replicas import Replicator
+from fastckpt.manager.preemption import Preempted, SignalRecorder
 from fastckpt.manager.restore import local_candidates, log_restore, remote_candidate, restore_multi, restore_single
+from fastckpt.manager.saving import save_durably, save_memory
 from fastckpt.manager.schedule import Schedule
 from fastckpt.manager.sharded import save_step
+from fastckpt.manager.starting import start, undo_start
 from fastckpt.manager.state import Registered, build_plan, gather_rank_states
 
 __all__ = ["CheckpointManager"]
@@ -101,6 +93,10 @@ class CheckpointManager(Ending):
         OptionTypeError: (an OptionError and a TypeError) an option of the wrong type (``continuous="no"``,
             ``every_n_steps=True``), ``model=[]``. TypeError: a model that is not a module.
         CheckpointError: another process holds the memory tier (names its pid).
+
+    A constructor that fails after the option checks (a collective timing out, another process failing) leaves
+    nothing behind: the memory tier's claim, the folders and the project id file it made, its gloo group and its
+    signal handlers are undone before the error propagates.
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("run", model, optimizer, scheduler, every_n_steps=100)
@@ -152,33 +148,17 @@ class CheckpointManager(Ending):
         self.world = dist.get_world_size() if self.distributed else 1
         check_replicas(replicas, memory, self.world if self.distributed else None)
         root, self._memory_default = memory_root(memory, self.project, self.rank)
-        if root is not None:
-            check_writable(root, memory)
-        # one run per tier; each snapshot names its project (a restore of another project's skips it)
-        self.memory: MemoryTier | None = (None if root is None else
-                                          MemoryTier(root, project=str(Path(self.project).resolve())).claim())
         _managers += 1  # every option checked: the same sequence on every rank
-        self.durable = None
-        if self.memory is not None and self.rank == 0 and not self.sharded:  # sharded: written in step()
-            self.durable = DurableWriter(self.memory, self.project, keep=keep, remote=self.remote,
-                                         storage_options=storage_options)
-        self.group = None
-        self.replicator = None
-        if self.distributed and (replicas or self.memory is not None):  # every rank makes it (a collective)
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-        if self.distributed and replicas and self.memory is not None:
-            self.replicator = Replicator(self.memory, rank=self.rank, world=self.world, replicas=replicas,
-                                         group=self.group)
-        store, prefix = None, f"fastckpt/manager/{_managers}"
-        if self.distributed:  # a name no earlier launch sharing the store (an elastic restart) used
-            store = dist.distributed_c10d._get_default_store()
-            prefix += "/" + broadcast_from_main(secrets.token_hex(8) if self.rank == 0 else None,
-                                                what="CheckpointManager: naming its store keys", timeout=self.timeout)
-        self.board = EventBoard(store, prefix)
+        self.memory: MemoryTier | None = None
+        self.durable = self.group = self.replicator = self._finalizer = None
         self.signals = SignalRecorder(signals)
-        self.signals.install()
-        # a manager never closed (dropped, or its close raised) must not keep catching SIGTERM
-        self._finalizer = weakref.finalize(self, self.signals.uninstall)
+        self._made: list[Path] = []  # folders and files this constructor made: removed if it fails
+        self.project_id: str | None = None  # the project folder's incarnation (manager/incarnation.py)
+        try:
+            start(self, root, memory, replicas, keep, storage_options, _managers)
+        except BaseException:  # a failed constructor leaves nothing: no claim, handler, folder or group
+            undo_start(self)
+            raise
         self._failure: DurableSaveError | None = None  # rank 0: a durable failure to raise at the agreed step
         self.restored_from: str | None = None
         self.restored_step: int | None = None
@@ -234,14 +214,15 @@ class CheckpointManager(Ending):
                 overwrite them), or another process failed (names it); nothing changed on any process.
         """
         started = time.perf_counter()
-        if self.distributed:
+        if self.distributed or self.sharded:  # a sharded state (one process included): its own readers
             c, _ = restore_multi(self.memory, self.project, self.remote, self.storage_options, self._state, group=self.group,
                                  timeout=self.timeout, threads=self.threads)
         else:
             cands = local_candidates(self.memory, self.project)
             rc = remote_candidate(self.remote, self.storage_options)
             c, _ = restore_single(cands + ([rc] if rc else []), self._state, threads=self.threads,
-                                  storage_options=self.storage_options, project=self.project)
+                                  storage_options=self.storage_options, project=self.project,
+                                  project_id=self.project_id)
         self.restored_from = None if c is None else c.tier
         self.restored_step = self._step_seen = None if c is None else c.step
         log_restore(c, started)
@@ -356,7 +337,10 @@ class CheckpointManager(Ending):
         Raises:
             TypeError: state that cannot be stored without pickle (names its path); nothing is committed.
             ValueError: the state is larger than ``host_memory_budget``.
-            OSError: the tier cannot be written; the previous checkpoint stays.
+            OSError: the tier cannot be written; the previous checkpoint stays. A memory tier without room
+                (``ENOSPC``) is no error: the partial snapshot goes, a :class:`~fastckpt.errors.MemoryTierFullWarning`
+                names the folder and the bytes needed, and the step is saved durably instead
+                (:mod:`fastckpt.manager.saving`).
         """
         if self._closed:
             raise CheckpointError("CheckpointManager.save_now() after close(): make a new manager")
@@ -369,48 +353,14 @@ class CheckpointManager(Ending):
             path = save_step(self, states, step)
         else:
             plan = build_plan(*self._state, step=step, rank_states=states)
-            path = (self._save_durably if self.memory is None else self._save_memory)(plan, step)
+            path = save_durably(self, plan, step) if self.memory is None else self._save_memory(plan, step)
+            path = path or self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"  # memory full: process 0 writes it
         self.last_saved = step
         self.schedule.saved(step, clock, time.perf_counter() - started)
         return path
 
-    def _save_memory(self, plan: Any, step: int) -> Path:
-        assert self.memory is not None
-        if self.budget is not None:
-            if plan.nbytes > self.budget:
-                raise ValueError(f"the state is {plan.nbytes} bytes, over host_memory_budget={self.budget} bytes; "
-                                 "raise the budget or pass memory=False")
-            if self.durable is not None and 2 * plan.nbytes > self.budget:
-                self.durable.wait()  # the older snapshot goes once its durable copy is made
-        if self.durable is not None and step == self._handed:  # its copy reads the folder this save replaces
-            self.durable.idle()
-        save = self.memory.begin(step=step)
-        try:
-            if has_device_tensors(plan):  # staged through the host buffer pool (device-to-host copies)
-                submit(plan, save.staging, write=lambda p, _t, **kw: save.write(
-                    p, threads=self.threads, ready=kw.get("ready")), blocking=True).wait()
-            else:
-                save.write(plan, threads=self.threads)
-            committed = save.commit()
-        except BaseException:
-            save.abort()
-            raise
-        if self.durable is not None:
-            self.durable.submit(step)
-        if self.replicator is not None:
-            self.replicator.submit(step)
-        return Path(committed.location)
-
-    def _save_durably(self, plan: Any, step: int) -> Path:
-        target = self.project / CHECKPOINTS_DIR / f"checkpoint_{step}"
-
-        def write() -> Path:
-            write_checkpoint(plan, target, durable=True, threads=self.threads)
-            if self.keep is not None:
-                rotate_checkpoints(self.project, self.keep)
-            return target
-
-        return Session(f"CheckpointManager save of step {step}", self.timeout).on_main(write)
+    def _save_memory(self, plan: Any, step: int) -> Path | None:  # also sharded.save_step's
+        return save_memory(self, plan, step)
 
     def _preempt(self, step: int) -> Preempted:
         self.signals.keep_until_exit()  # a second signal, now or while the process exits, changes nothing

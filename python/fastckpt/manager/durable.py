@@ -126,11 +126,33 @@ class DurableWriter:
             if self not in _unreported:
                 _unreported.append(self)
 
+    def write_now(self, plan: Any, step: int, *, threads: int) -> Path:
+        """Write ``step`` durably from ``plan`` itself, in this thread, once the copies in flight are done (the
+        memory tier had no room for it): committed, rotated and uploaded as a copy is, or the error raised here.
+
+        Raises:
+            OSError: the durable tier cannot be written (nothing committed; the previous checkpoint stays).
+        """
+        from fastckpt._io.storage.local.commit import write_checkpoint
+
+        self.idle()
+        with self._cond:  # nothing else runs: the stage names what failed for a copy submitted later
+            self._running = step
+        try:
+            return self._commit(step, lambda target: write_checkpoint(plan, target, durable=True, threads=threads))
+        finally:
+            with self._cond:
+                self._running = None
+                self._cond.notify_all()
+
     def _copy(self, step: int) -> None:
-        started = time.perf_counter()
         src = self.memory.folder / f"checkpoint_{step}"
+        self._commit(step, lambda target: copy_committed(src, target, durable=True))
+
+    def _commit(self, step: int, write: Any) -> Path:
+        started = time.perf_counter()
         self._stage = "copy"
-        target = copy_committed(src, self.target(step), durable=True)
+        target = write(self.target(step))
         self._stage = "rotate"  # only now: a failed copy leaves every older checkpoint in place
         if self.keep is not None:
             rotate_checkpoints(self.project, self.keep)
@@ -144,6 +166,7 @@ class DurableWriter:
             self.done, self.done_at = step, time.monotonic()
         logger.info("CheckpointManager: step %d durable at %s in %.3f s%s", step, target,
                     time.perf_counter() - started, " (uploaded)" if self.remote is not None else "")
+        return target
 
     def wait(self, step: int | None = None) -> int | None:
         """Wait until nothing is copied or waiting (``step`` given: until that step or a newer one is durable,

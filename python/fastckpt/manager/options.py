@@ -177,7 +177,7 @@ def check_budget(budget: Any) -> int | None:
     """
     if budget is None:
         return None
-    from fastckpt._io.storage.local.shards import parse_size
+    from fastckpt._io.sizes import parse_size
 
     return typed_option(parse_size, budget, "host_memory_budget")
 
@@ -203,7 +203,8 @@ def check_replicas(replicas: int, memory: Any, world: int | None) -> None:
 def check_writable(root: Path, given: Any) -> None:
     """Make sure this process can hold its memory tier at ``root``: the folder made (with its parents) if missing,
     and a file created and removed in it and beside it (where the tier's owner lock goes). Called after every
-    other option is checked; on failure nothing is left behind but folders ``mkdir`` made.
+    other option is checked; on failure nothing is left behind but folders ``mkdir`` made (which the manager's
+    failed constructor removes).
 
     Raises:
         OptionError: the folder cannot be made or written (names ``memory``, the value and the OS error).

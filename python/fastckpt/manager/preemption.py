@@ -34,6 +34,20 @@ class Preempted(SystemExit):
     committed in the durable tier. A ``SystemExit``: uncaught, the process exits with ``code`` (0 unless the
     manager's ``preemption_exit_code`` says otherwise) without a traceback, so schedulers see a clean exit.
 
+    The preemption signals stay caught (recorded, so ignored) after it is raised, until the process exits: a second
+    SIGTERM while the process exits (torchrun and SLURM often send one more) does not turn exit code 0 into death by
+    the signal. A process that catches ``Preempted`` and goes on (a notebook, a sweep running the next trial) keeps
+    ignoring them until it makes a new :class:`~fastckpt.CheckpointManager` or calls
+    :func:`fastckpt.release_kept`, which puts back the handlers found before the manager (``SIG_DFL``: SIGTERM ends
+    the process again).
+
+    Example:
+        >>> try:
+        ...     train(mgr)                    # mgr.step(n) raises Preempted after a SIGTERM
+        ... except fastckpt.Preempted as exc:
+        ...     print(exc.path)               # the durable checkpoint of exc.step
+        ...     fastckpt.release_kept()       # SIGTERM ends this process again
+
     Attributes:
         step: the step that was saved (int).
         signum: the signal that asked for it (int).
@@ -129,8 +143,14 @@ _kept: list[SignalRecorder] = []  # recorders of a preemption being handled: ali
 
 
 def release_kept() -> None:
-    """Uninstall the recorders kept after a preemption (:meth:`SignalRecorder.keep_until_exit`): for a process that
-    caught :class:`Preempted` and goes on (a new manager does it; so do the tests between cases)."""
+    """Uninstall the preemption handlers kept after a :class:`Preempted` (:meth:`SignalRecorder.keep_until_exit`):
+    for a process that caught it and goes on. The handlers found before the first manager are put back (the
+    default: SIGTERM ends the process). A new :class:`~fastckpt.CheckpointManager` does it too; without a kept
+    handler it does nothing.
+
+    Example:
+        >>> fastckpt.release_kept()
+    """
     with _lock:
         kept = list(_kept)
         _kept.clear()

@@ -44,7 +44,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TierSkippedWarning,
 )
-from fastckpt.manager.sharded import plan_local_restore, snapshot_world
+from fastckpt.manager.sharded import check_sharding, plan_local_restore, snapshot_owner
 from fastckpt.manager.state import plan_restore, read_objects
 
 __all__ = ["Candidate", "restore_single", "restore_multi", "TIERS"]
@@ -86,22 +86,31 @@ def skip(c: Candidate, exc: BaseException, skipped: list[str] | None = None) -> 
                   TierSkippedWarning, stacklevel=4)
 
 
-def foreign(c: Candidate, project: Path | None) -> bool:
+def foreign(c: Candidate, project: Path | None, project_id: str | None = None) -> bool:
     """True (and a :class:`TierSkippedWarning` naming whose it is) when the memory-tier or replica snapshot ``c``
-    was saved by another project (its manifest's ``"project"``, e.g. two projects sharing ``FASTCKPT_JOB_ID``);
-    a snapshot without that record (older versions) or an unreadable manifest (the restore reports it) is not."""
+    was saved by another project (its manifest's ``"project"``, e.g. two projects sharing ``FASTCKPT_JOB_ID``) or
+    by an earlier incarnation of this one (its ``"project_id"`` differs from ``project_id``: the folder was
+    deleted and made again, :mod:`fastckpt.manager.incarnation`); a snapshot without these records (older
+    versions) or an unreadable manifest (the restore reports it) is not."""
     if project is None or c.folder is None or c.tier not in ("memory", "peer"):
         return False
     try:
-        owner = read_manifest(c.folder).get("project")
+        manifest = read_manifest(c.folder)
     except (CheckpointError, OSError, ValueError):
         return False
+    owner, owner_id = manifest.get("project"), manifest.get("project_id")
     mine = str(Path(project).resolve())
-    if owner is None or owner == mine:
-        return False
-    warnings.warn(f"the {c.tier} tier's checkpoint of step {c.step} at {c.location} belongs to the project {owner}, "
-                  f"not to this one ({mine}); skipped, never applied", TierSkippedWarning, stacklevel=4)
-    return True
+    what = f"the {c.tier} tier's checkpoint of step {c.step} at {c.location}"
+    if owner is not None and owner != mine:
+        warnings.warn(f"{what} belongs to the project {owner}, not to this one ({mine}); skipped, never applied",
+                      TierSkippedWarning, stacklevel=4)
+        return True
+    if owner_id is not None and project_id is not None and owner_id != project_id:
+        warnings.warn(f"{what} belongs to an earlier incarnation of the project {mine} (project id {owner_id}; this "
+                      f"one is {project_id}: the folder was deleted and made again); skipped, never applied",
+                      TierSkippedWarning, stacklevel=4)
+        return True
+    return False
 
 
 def no_intact(skipped: list[str]) -> CheckpointError:
@@ -163,7 +172,7 @@ def read_checked(c: Candidate, objects: tuple, *, rank: int, threads: int, stora
 
 
 def restore_single(candidates: list[Candidate], objects: tuple, *, threads: int, storage_options: Any,
-                   project: Path | None = None) -> tuple[Candidate | None, Any]:
+                   project: Path | None = None, project_id: str | None = None) -> tuple[Candidate | None, Any]:
     """Try ``candidates`` newest first (another ``project``'s memory snapshots skipped); returns the one applied
     (None: there is none) and its load plan.
 
@@ -173,7 +182,7 @@ def restore_single(candidates: list[Candidate], objects: tuple, *, threads: int,
     """
     skipped: list[str] = []
     for c in sorted(candidates, key=Candidate.key):
-        if foreign(c, project):
+        if foreign(c, project, project_id):
             continue
         try:
             plan = read_checked(c, objects, rank=0, threads=threads, storage_options=storage_options)
@@ -188,9 +197,9 @@ def restore_single(candidates: list[Candidate], objects: tuple, *, threads: int,
 
 
 def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None], project: Path,
-                   skipped: list[str]) -> Candidate | None:
+                   skipped: list[str], project_id: str | None = None) -> Candidate | None:
     for c in sorted(cands, key=Candidate.key):
-        if foreign(c, project):
+        if foreign(c, project, project_id):
             continue
         try:
             check(c)
@@ -201,24 +210,31 @@ def _newest_intact(cands: list[Candidate], check: Callable[[Candidate], None], p
 
 
 def survey(memory: MemoryTier | None, project: Path, remote: Any, storage_options: Any, *, rank: int,
-           threads: int, world: int = 1) -> dict[str, Any]:
+           threads: int, world: int = 1, models: list | None = None) -> dict[str, Any]:
     """What this process can restore from: ``{"memory": step|None, "held": {src: step}, "local": [steps visible],
-    "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c), the durable
-    tiers only listed (rank 0 checks the one :func:`decide` needs)."""
-    def check(c: Candidate) -> None:
-        saved = snapshot_world(c.folder)  # a rank's local shards (FSDP2): this world size only
-        if saved is not None and saved != world:
-            raise MissingStateError(f"a snapshot of local shards saved by {saved} processes, this run has {world}")
+    "remote": [step, url]|None}``; its memory tier and the replicas it holds are checked (crc32c; a snapshot of
+    local shards: of this world size and rank, cut as the live sharded ``models`` are), the durable tiers only
+    listed (rank 0 checks the one :func:`decide` needs)."""
+    def check(c: Candidate, owner: int = rank) -> None:
+        saved = snapshot_owner(c.folder)  # a rank's local shards (FSDP2): that rank of this world size only
+        if saved is not None and saved[1] != world:
+            raise MissingStateError(f"a snapshot of local shards saved by {saved[1]} processes, this run has {world}")
+        if saved is not None and saved[0] != owner:  # e.g. one memory= path on every node, ranks placed anew
+            raise MissingStateError(f"a snapshot of the local shards of rank {saved[0]}, found where rank {owner}'s "
+                                    "are kept")
         verify_checkpoint(c.folder, threads=threads)
+        if saved is not None and models is not None:  # another mesh or placements: the durable tier reshards
+            check_sharding(c.folder, models)
 
     skipped: list[str] = []
-    own = None if memory is None else _newest_intact(local_candidates(memory, None), check, project, skipped)
+    pid = None if memory is None else memory.project_id
+    own = None if memory is None else _newest_intact(local_candidates(memory, None), check, project, skipped, pid)
     held: dict[int, int] = {}
     if memory is not None:
         for src in replica_sources(memory.root):
             tier = replica_tier(memory.root, src)
             c = _newest_intact([Candidate(x.step or 0, "peer", x.location, Path(x.location)) for x in tier.list()],
-                               check, project, skipped)
+                               lambda c, src=src: check(c, src), project, skipped, pid)
             if c is not None:
                 held[src] = c.step
     rc = remote_candidate(remote, storage_options) if rank == 0 else None
@@ -285,7 +301,8 @@ def restore_multi(memory: MemoryTier | None, project: Path, remote: Any, storage
     session = Session("CheckpointManager.restore", timeout)
     rank = session.rank
     sharded = is_sharded(objects[0])
-    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads, world=session.world)
+    report = survey(memory, project, remote, storage_options, rank=rank, threads=threads, world=session.world,
+                    models=objects[0] if sharded else None)
     reports = session.gather(report, step="survey")
     choice = session.broadcast(decide(reports, project, threads=threads, together=sharded) if rank == 0 else None,
                                step="decide")

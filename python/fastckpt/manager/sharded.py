@@ -33,10 +33,10 @@ import torch
 from fastckpt._format.codec import encode
 from fastckpt._format.json_input import decode_json
 from fastckpt._io.files import FilePart, SavePlan
-from fastckpt._io.storage.local.folder import open_safetensors, read_fresh
+from fastckpt._io.storage.local.folder import open_safetensors, read_checked_json, read_fresh
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, part_name, random_states_name, read_manifest
 from fastckpt._io.storage.local.numbering import rotate_checkpoints
-from fastckpt._plan.sharded_load import ShardedLoad, _assemble, _read_json
+from fastckpt._plan.sharded_load import ShardedLoad, assemble_load
 from fastckpt._plan.sharded_save import save_sharded
 from fastckpt._state.rng import read_rng_state
 from fastckpt._state.sharded import (
@@ -46,10 +46,11 @@ from fastckpt._state.sharded import (
     optimizer_tensors,
     owner_model,
 )
-from fastckpt.errors import MissingStateError, ShapeMismatchError
+from fastckpt.errors import HeaderError, MissingStateError, ShapeMismatchError
 from fastckpt.manager.state import Registered, add_objects, read_objects
 
-__all__ = ["LAYOUT", "local_plan", "snapshot_world", "plan_local_restore", "save_durable", "save_step"]
+__all__ = ["LAYOUT", "local_plan", "snapshot_world", "snapshot_owner", "check_sharding", "plan_local_restore",
+           "save_durable", "save_step"]
 
 #: the manifest's ``layout`` of a rank's local-shards snapshot (``local_shards``: ``{"rank", "world_size", ...}``)
 LAYOUT = "local_shards"
@@ -118,11 +119,45 @@ def local_plan(models: list, optimizers: list, schedulers: list, objects: list[R
 
 def snapshot_world(folder: Path) -> int | None:
     """The world size of the local-shards snapshot in ``folder``; None for any other checkpoint."""
+    owner = snapshot_owner(folder)
+    return None if owner is None else owner[1]
+
+
+def snapshot_owner(folder: Path) -> tuple[int, int] | None:
+    """``(rank, world size)`` of the local-shards snapshot in ``folder`` (whose shards it holds); None for any
+    other checkpoint."""
     try:
         info = read_manifest(folder, check_sizes=False).get(LAYOUT)
     except (MissingStateError, ValueError, OSError):
         return None
-    return int(info["world_size"]) if isinstance(info, dict) else None
+    try:
+        return (int(info["rank"]), int(info["world_size"])) if isinstance(info, dict) else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def check_sharding(folder: Path, models: list) -> None:
+    """Whether the local-shards snapshot in ``folder`` was cut as the live ``models`` are (each DTensor's placements
+    and mesh shape; a key the live models lack is left to the restore's own checks).
+
+    Raises:
+        MissingStateError: a tensor saved with other placements or on a mesh of another shape (names the file, the
+            tensor and both): only the durable tier, which DCP reshards, can restore it.
+    """
+    owner = snapshot_owner(folder)
+    if owner is None:
+        return
+    for i, m in enumerate(models):
+        where = folder / _file(part_name("model", i, ""), owner[0])
+        if not where.is_file():
+            return  # the restore names it
+        records = _records(open_safetensors(where), str(where))
+        for key, t in model_tensors(m, "")[0].items():
+            rec, live = records.get(key), _local(t)[1]
+            if rec is not None and (rec.get("placements"), rec.get("mesh")) != (live["placements"], live.get("mesh")):
+                raise MissingStateError(f"{where}: {key} was saved with placements {rec.get('placements')} on a mesh "
+                                        f"{rec.get('mesh')}, the live one has {live['placements']} on "
+                                        f"{live.get('mesh')}; the memory tier restores the same sharding only")
 
 
 @dataclass
@@ -137,7 +172,13 @@ def _records(file: Any, where: str) -> dict[str, dict[str, Any]]:
     meta = (file.metadata() or {}).get(_META)
     if meta is None:
         raise MissingStateError(f"{where}: no {_META} record; not a CheckpointManager local-shards file")
-    return json.loads(meta)
+    try:
+        records = json.loads(meta)
+    except ValueError:
+        records = None
+    if not isinstance(records, dict) or not all(isinstance(r, dict) for r in records.values()):
+        raise HeaderError(f"{where}: its {_META} record is not a JSON object of one object per tensor")
+    return records
 
 
 def _metadata(file: Any, records: dict[str, dict[str, Any]], where: str) -> dict[str, _Md]:
@@ -220,7 +261,7 @@ def plan_local_restore(folder: Path, models: list, optimizers: list, schedulers:
         served.append(s)
     for j, opt in enumerate(optimizers):
         base = part_name("optimizer", j, "")
-        saved = _read_json(folder, base + ".json", f"optimizer {j}", records_of.get(base + ".json"))
+        saved = read_checked_json(folder, base + ".json", f"optimizer {j}", records_of.get(base + ".json"))
         owner = owner_model(opt, models, base)
         file = open_safetensors(folder / _file(base, rank))
         where = str(folder / _file(base, rank))
@@ -232,12 +273,12 @@ def plan_local_restore(folder: Path, models: list, optimizers: list, schedulers:
         saved_optimizers.append((owner, opt, base, opt_info))
     for k, sched in enumerate(schedulers):
         name = part_name("scheduler", k, ".json")
-        data = _read_json(folder, name, f"scheduler {k}", records_of.get(name))
+        data = read_checked_json(folder, name, f"scheduler {k}", records_of.get(name))
         load.schedulers.append((sched, decode_json(data, f"{folder / name}: not a valid fastckpt scheduler state")))
     load.rng = read_rng_state(open_safetensors(folder / random_states_name(rank)))
     load.step = load.rng.step
     load.objects += read_objects(folder, objects, rank=rank)
-    return _assemble(load, dest, models, served, saved_optimizers)
+    return assemble_load(load, dest, models, served, saved_optimizers)
 
 
 def save_durable(models: list, optimizers: list, schedulers: list, objects: list[Registered], *, project: Path,

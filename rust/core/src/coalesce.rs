@@ -1,7 +1,8 @@
 //! Coalesced positional reads: the loads' read jobs (pieces of tensors, sorted by file offset) are grouped into
 //! runs of touching byte ranges of up to a few MiB, and each run is one `preadv` into the pieces' own
-//! destinations; [`SafetensorsFile::read_span_into`] reads one whole byte range of the file into one buffer in
-//! [`BLOCK`] pieces with many reads in flight (a cold `fastckpt.torch.load_file`).
+//! destinations; [`read_span`] reads one whole byte range of a file into one buffer in [`BLOCK`] pieces with
+//! many reads in flight (a cold `fastckpt.torch.load_file`). Free functions of an open file and the path that
+//! names it in errors: the reader and the verifier build on them (nothing here knows a safetensors header).
 //!
 //! Why: a training state of many small and medium tensors (GPT-2 small: 593 tensors, most under 3 MiB) was read
 //! as one blocking `pread` per tensor piece on min(8, cores) workers: on a 2-core machine two small reads in flight
@@ -12,13 +13,14 @@
 use std::fs::File;
 use std::io;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::readahead::{cached, with_readahead};
-use crate::reader::SafetensorsFile;
 
 /// The largest coalesced read (bytes) when nothing is summed.
 pub(crate) const BLOCK: u64 = 8 << 20;
@@ -112,83 +114,100 @@ pub(crate) fn preadv_exact(
 
 /// Whether the pages at one to four fifths of `len` bytes of `file` at `start` are in the page cache (the first
 /// pages prove nothing: opening the file read its header, and readahead brought the pages after it).
-fn sampled_cached(file: &File, start: u64, len: u64) -> bool {
+pub(crate) fn sampled_cached(file: &File, start: u64, len: u64) -> bool {
     len == 0 || (1..5).all(|k| cached(file, start + len * k / 5))
 }
 
-impl SafetensorsFile {
-    /// Fill `buf` with the file's bytes `[start, start + buf.len())`: [`BLOCK`]-sized positional reads by
-    /// `threads` workers (0: [`IO_THREADS`] when the range does not look cached, else min(8, cores)), in file
-    /// order, with readahead hints ahead of them. A range past the end of the file is [`Error::Truncated`].
-    pub fn read_span_into(&self, start: u64, buf: &mut [u8], threads: usize) -> Result<()> {
-        let file = self.handle("read_span_into")?;
-        let len = buf.len() as u64;
-        let threads = match threads {
-            0 if !sampled_cached(&file, start, len) => IO_THREADS,
-            n => pool::resolve_threads(n),
-        };
-        let blocks: Vec<std::sync::Mutex<Option<&mut [u8]>>> = buf
-            .chunks_mut(BLOCK as usize)
-            .map(|b| std::sync::Mutex::new(Some(b)))
-            .collect();
-        let ranges: Vec<(u64, u64)> = (0..blocks.len() as u64)
-            .map(|k| {
-                (
-                    start + k * BLOCK,
-                    (start + (k + 1) * BLOCK).min(start + len),
-                )
-            })
-            .collect();
-        with_readahead(&file, &ranges, |done| {
-            pool::run::<(), _>(threads, blocks.len(), None, |_, k| {
-                let block = blocks[k]
-                    .lock()
-                    .expect("block lock")
-                    .take()
-                    .expect("each block once");
-                let at = ranges[k].0;
-                self.read_exact_at(&file, block, at, || {
-                    format!("bytes [{start}, {})", start + len)
-                })?;
-                done.fetch_add(ranges[k].1 - at, Ordering::Relaxed);
-                Ok(())
-            })
-        })?;
-        Ok(())
-    }
-
-    /// Whether the data section looks like it is in the page cache: pages at a fifth, two, three and four
-    /// fifths of it are (its first pages prove nothing: reading the header pulls them in by readahead). An empty
-    /// data section or a closed file counts as cached: there is nothing to read ahead.
-    pub fn data_looks_cached(&self) -> bool {
-        let Ok(file) = self.handle("data_looks_cached") else {
-            return true;
-        };
-        let start = self.data_start();
-        sampled_cached(&file, start, self.file_size().saturating_sub(start))
-    }
-
-    /// `preadv_exact` of one run of pieces, a short file as [`Error::Truncated`] naming `what(piece)`.
-    pub(crate) fn read_run(
-        &self,
-        file: &File,
-        bufs: &mut [&mut [u8]],
-        offsets: &[u64],
-        what: impl Fn(usize) -> String,
-    ) -> Result<()> {
-        preadv_exact(file, bufs, offsets[0]).map_err(|(k, e)| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                Error::Truncated {
-                    path: self.path().display().to_string(),
-                    what: what(k),
-                    expected: offsets[k] + bufs[k].len() as u64,
-                    actual: file.metadata().map_or(0, |m| m.len()),
-                }
-            } else {
-                Error::io(self.path(), format!("reading {}", what(k)), e)
-            }
+/// Fill `buf` with the bytes `[start, start + buf.len())` of `file` (named `path` in errors): [`BLOCK`]-sized
+/// positional reads by `threads` workers (0: [`IO_THREADS`] when the range does not look cached, else min(8,
+/// cores)), in file order, with readahead hints ahead of them. A range past the end of the file is
+/// [`Error::Truncated`].
+pub(crate) fn read_span(
+    path: &Path,
+    file: &File,
+    start: u64,
+    buf: &mut [u8],
+    threads: usize,
+) -> Result<()> {
+    let len = buf.len() as u64;
+    let threads = match threads {
+        0 if !sampled_cached(file, start, len) => IO_THREADS,
+        n => pool::resolve_threads(n),
+    };
+    let blocks: Vec<std::sync::Mutex<Option<&mut [u8]>>> = buf
+        .chunks_mut(BLOCK as usize)
+        .map(|b| std::sync::Mutex::new(Some(b)))
+        .collect();
+    let ranges: Vec<(u64, u64)> = (0..blocks.len() as u64)
+        .map(|k| {
+            (
+                start + k * BLOCK,
+                (start + (k + 1) * BLOCK).min(start + len),
+            )
         })
-    }
+        .collect();
+    with_readahead(file, &ranges, |done| {
+        pool::run::<(), _>(threads, blocks.len(), None, |_, k| {
+            let block = blocks[k]
+                .lock()
+                .expect("block lock")
+                .take()
+                .expect("each block once");
+            let at = ranges[k].0;
+            read_exact_at(path, file, block, at, || {
+                format!("bytes [{start}, {})", start + len)
+            })?;
+            done.fetch_add(ranges[k].1 - at, Ordering::Relaxed);
+            Ok(())
+        })
+    })?;
+    Ok(())
+}
+
+/// `read_exact_at` of `buf` at `offset` in `file` (named `path`), a short file as [`Error::Truncated`] naming
+/// `what()`.
+pub(crate) fn read_exact_at(
+    path: &Path,
+    file: &File,
+    buf: &mut [u8],
+    offset: u64,
+    what: impl Fn() -> String,
+) -> Result<()> {
+    file.read_exact_at(buf, offset).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            Error::Truncated {
+                path: path.display().to_string(),
+                what: what(),
+                expected: offset + buf.len() as u64,
+                actual: file.metadata().map_or(0, |m| m.len()),
+            }
+        } else {
+            Error::io(path, format!("reading {}", what()), e)
+        }
+    })
+}
+
+/// `preadv_exact` of one run of pieces of `file` (named `path`), a short file as [`Error::Truncated`] naming
+/// `what(piece)`.
+pub(crate) fn read_run(
+    path: &Path,
+    file: &File,
+    bufs: &mut [&mut [u8]],
+    offsets: &[u64],
+    what: impl Fn(usize) -> String,
+) -> Result<()> {
+    preadv_exact(file, bufs, offsets[0]).map_err(|(k, e)| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            Error::Truncated {
+                path: path.display().to_string(),
+                what: what(k),
+                expected: offsets[k] + bufs[k].len() as u64,
+                actual: file.metadata().map_or(0, |m| m.len()),
+            }
+        } else {
+            Error::io(path, format!("reading {}", what(k)), e)
+        }
+    })
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
-use crate::coalesce::runs;
+use crate::coalesce::{read_run, read_span, runs, sampled_cached};
 use crate::error::{Error, IoContext, Result};
 use crate::file_open::open_file_as;
 use crate::header::{self, Header, TensorInfo};
@@ -328,7 +328,7 @@ impl SafetensorsFile {
                 let run = runs[r].clone();
                 let offsets: Vec<u64> = ranges[run.clone()].iter().map(|(a, _)| *a).collect();
                 let what = |k: usize| format!("tensor {:?}", names[spans[run.start + k].0]);
-                self.read_run(&file, &mut bufs, &offsets, what)?;
+                read_run(&self.path, &file, &mut bufs, &offsets, what)?;
                 if sum {
                     for (k, piece) in bufs.iter().enumerate() {
                         sums[run.start + k]
@@ -351,26 +351,24 @@ impl SafetensorsFile {
         Ok(out)
     }
 
-    /// `read_exact_at` of `buf` at `offset`, a short file as [`Error::Truncated`] naming `what()`.
-    pub(crate) fn read_exact_at(
-        &self,
-        file: &File,
-        buf: &mut [u8],
-        offset: u64,
-        what: impl Fn() -> String,
-    ) -> Result<()> {
-        file.read_exact_at(buf, offset).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                Error::Truncated {
-                    path: self.path.display().to_string(),
-                    what: what(),
-                    expected: offset + buf.len() as u64,
-                    actual: file.metadata().map_or(0, |m| m.len()),
-                }
-            } else {
-                Error::io(&self.path, format!("reading {}", what()), e)
-            }
-        })
+    /// Fill `buf` with the file's bytes `[start, start + buf.len())`: `BLOCK`-sized positional reads by
+    /// `threads` workers (0: 16 when the range does not look cached, else min(8, cores)), in file order, with
+    /// readahead hints ahead of them (see coalesce.rs). A range past the end of the file is
+    /// [`Error::Truncated`].
+    pub fn read_span_into(&self, start: u64, buf: &mut [u8], threads: usize) -> Result<()> {
+        let file = self.handle("read_span_into")?;
+        read_span(&self.path, &file, start, buf, threads)
+    }
+
+    /// Whether the data section looks like it is in the page cache: pages at a fifth, two, three and four
+    /// fifths of it are (its first pages prove nothing: reading the header pulls them in by readahead). An empty
+    /// data section or a closed file counts as cached: there is nothing to read ahead.
+    pub fn data_looks_cached(&self) -> bool {
+        let Ok(file) = self.handle("data_looks_cached") else {
+            return true;
+        };
+        let start = self.data_start();
+        sampled_cached(&file, start, self.file_size().saturating_sub(start))
     }
 }
 

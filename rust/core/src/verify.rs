@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
 use crate::checksum::{crc32c_append, crc32c_combine, PIECE};
-use crate::coalesce::runs;
+use crate::coalesce::{read_exact_at, runs};
 use crate::error::{Error, Result};
 use crate::pool;
 use crate::readahead::with_readahead;
@@ -271,7 +271,7 @@ impl SafetensorsFile {
                                     .map_or(jobs[j].0, |i| jobs[i].0);
                                 name(k)
                             };
-                            self.read_exact_at(&file, &mut buf[..win_len], win_at, what)?;
+                            read_exact_at(self.path(), &file, &mut buf[..win_len], win_at, what)?;
                         }
                         let n = (range.end.min(win_at + win_len as u64) - at) as usize;
                         let from = (at - win_at) as usize;

@@ -50,30 +50,14 @@ from fastckpt._io.async_save.cancel import CancelToken
 from fastckpt._io.async_save.host_pool import HostBufferPool, Slot, aligned
 from fastckpt._io.async_save.snapshot import _check
 from fastckpt._io.files import SavePlan
-from fastckpt._io.storage.local.shards import parse_size
 from fastckpt.errors import ConcurrentModificationError
 
-__all__ = ["SMALL_BYTES", "StreamingSave", "parse_budget", "submit_stream"]
+__all__ = ["SMALL_BYTES", "StreamingSave", "submit_stream"]
 
 #: Tensors smaller than this (bytes) are copied at the call (Adam's ``step`` counters and the like).
 SMALL_BYTES = 64 << 10
 _STREAMED_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                     torch.int16, torch.int8, torch.uint8, torch.bool}
-
-
-def parse_budget(budget: int | str | None) -> int | None:
-    """``host_memory_budget`` in bytes: an int, a string such as ``"4GB"`` (10**9) or ``"512MiB"`` (the units of
-    :func:`fastckpt._io.storage.local.shards.parse_size`), or None.
-
-    Raises:
-        ValueError: a negative number, an unknown unit, or neither int nor str.
-    """
-    if budget is None:
-        return None
-    try:
-        return parse_size(budget, "host_memory_budget", minimum=0)
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
 
 
 def _torch_optimizer(opt: Any) -> torch.optim.Optimizer | None:
@@ -356,7 +340,7 @@ class StreamingSave:
 
 
 def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: dict[str, Any] | None = None,
-                  budget: int | str | None = None, auto_named: bool = False,
+                  budget: int | None = None, auto_named: bool = False,
                   after: Callable[[], Any] | None = None, hash_at_call: bool = False) -> Any:
     """Start a streaming async save of ``plan`` on the default saver's writer thread; returns its ``AsyncSave``.
 
@@ -366,25 +350,25 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: 
         save: the staged save to write and commit (as :meth:`fastckpt._io.async_save.writer.AsyncSaver.submit`):
             ``save.write(plan, **options, before_commit=..., progress=... | ready=...)``, then ``save.commit()``.
         options: passed to ``save.write`` (``durable``, ``threads``).
-        budget: ``host_memory_budget`` (bytes, ``"4GB"``, or None for as needed).
+        budget: ``host_memory_budget`` in bytes (parsed by the writer,
+            :class:`~fastckpt._io.async_save.modes.StreamWriter`), or None for as needed.
         auto_named: skip the numbers of saves in flight (``checkpoint_N``).
         after: run on the writer thread after a successful commit (rotation).
         hash_at_call: hash the streamed tensors at the call and refuse to commit other bytes
             (:mod:`fastckpt._io.async_save.call_hashes`).
 
     Raises:
-        ValueError / DtypeError: a tensor the format cannot hold, a bad budget (before anything is copied).
+        ValueError / DtypeError: a tensor the format cannot hold (before anything is copied).
     """
     import time
 
     from fastckpt._io.async_save.writer import committed_path, default_saver
 
-    limit = parse_budget(budget)
     saver = default_saver()
     if auto_named:
         saver.reserve(save)
     start = time.perf_counter()
-    stream = StreamingSave(plan, optimizers, save.target, saver.pool, limit, hash_at_call=hash_at_call)
+    stream = StreamingSave(plan, optimizers, save.target, saver.pool, budget, hash_at_call=hash_at_call)
     blocked = time.perf_counter() - start
 
     token = CancelToken(save.target)

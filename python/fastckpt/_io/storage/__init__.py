@@ -19,9 +19,10 @@ __all__ = ["CheckpointView", "Committed", "StagedSave", "Storage", "resolve"]
 
 
 def resolve(location: str | os.PathLike[str] | None, *, project_dir: str | os.PathLike[str] | None = None,
-            storage_options: Mapping[str, Any] | None = None, what: str = "output_dir") -> Storage:
+            storage_options: Mapping[str, Any] | None = None, what: str = "output_dir", remote: Any = None) -> Storage:
     """The :class:`Storage` that ``location`` names (see :func:`fastckpt._io.storage.schemes.resolve`: one line per
     URL scheme). Imported when called, so that importing a backend module never loads every backend."""
     from fastckpt._io.storage.schemes import resolve as resolve_scheme
 
-    return resolve_scheme(location, project_dir=project_dir, storage_options=storage_options, what=what)
+    return resolve_scheme(location, project_dir=project_dir, storage_options=storage_options, what=what,
+                          remote=remote)

@@ -38,9 +38,10 @@ from fastckpt._format.json_input import load_json
 from fastckpt._io.log import log_file
 from fastckpt._io.storage.local.in_place import LOCK_NAME
 from fastckpt._io.storage.local.layout import MANIFEST, SAVE_ID_KEY
-from fastckpt.errors import CheckpointChangedError, CheckpointError, IntegrityError
+from fastckpt.errors import CheckpointChangedError, CheckpointError, IntegrityError, MissingStateError
 
-__all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "verify_file", "read_fresh", "RETRIES"]
+__all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "verify_file", "read_checked_json", "read_fresh",
+           "RETRIES"]
 
 #: How many times ``load_state`` starts over when another save changed the folder under it.
 RETRIES = 5
@@ -267,6 +268,37 @@ def verify_file(file: Any, record: Any, *, threads: int = 0, summed: dict[str, i
     done = summed or {}
     file.verify([(n, c) for n, c in tensors.items() if n not in done], file_crc32c=file_crc, recorded_in=MANIFEST,
                 threads=threads, summed=list(done.items()))
+
+
+def read_checked_json(folder: Path, name: str, what: str, record: Any = None) -> Any:
+    """The JSON file ``name`` of the checkpoint ``folder`` (a pinned handle or a plain folder), parsed, its bytes
+    checked against its manifest ``record`` (``{"crc32c"}``; nothing checked without one) before they are parsed.
+
+    Args:
+        folder: the checkpoint folder. name: the file in it (``"optimizer.json"``). what: what needs it, for the
+            message (``"optimizer 0"``). record: the manifest's entry of the file, or None.
+
+    Returns:
+        The parsed JSON value (``dict``, ``list``, ...).
+
+    Raises:
+        MissingStateError: the file is absent (names ``what`` and the file). IntegrityError: its crc32c differs
+            from the record (both values). HeaderError: not valid JSON.
+
+    Example:
+        >>> state = read_checked_json(folder, "optimizer.json", "optimizer 0", manifest["files"].get("optimizer.json"))  # doctest: +SKIP
+    """
+    path = folder / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MissingStateError(f"{folder}: {what} needs {name}, which the checkpoint does not hold") from None
+    want = record.get("crc32c") if isinstance(record, dict) else None
+    got = f"{_core.crc32c(data):08x}"
+    if isinstance(want, str) and got != want:
+        raise IntegrityError(f"{path}: crc32c {got} read, {want} recorded in {MANIFEST} (the file is damaged); "
+                             "nothing was changed")
+    return load_json(data, f"{path}: not a valid fastckpt JSON file")
 
 
 def read_fresh(file: Any, targets: list[tuple[str, Any]], *, threads: int = 0) -> None:

@@ -17,7 +17,6 @@ in the shard the index names, and no tensor appears in two shards.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,49 +25,9 @@ from fastckpt._io.storage.local.folder import open_safetensors, read_fresh
 from fastckpt.errors import HeaderError, IntegrityError, KeyMismatchError, MissingStateError
 
 __all__ = [
-    "parse_size", "shard_name", "index_name", "split_part", "ShardedFile", "open_state_files", "open_state_file",
+    "shard_name", "index_name", "split_part", "ShardedFile", "open_state_files", "open_state_file",
     "has_state_file",
 ]
-
-_UNITS = {
-    "TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
-    "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*$")
-
-
-def parse_size(size: int | str, what: str = "max_shard_size", minimum: int = 1) -> int:
-    """A shard size limit in bytes, from an int or a string with Hugging Face's units (accelerate's parser).
-
-    ``"10GB"`` = 10 * 10**9, ``"10GiB"`` = 10 * 2**30 (also TB/MB/KB and TiB/MiB/KiB, case-insensitive, decimals
-    allowed: ``"1.5GB"``); a lower-case trailing ``b`` means bits, as in accelerate and transformers
-    (``"8Gb"`` = 10**9 bytes).
-
-    Raises:
-        ValueError: not a positive size, or an unknown unit (the message lists the accepted ones).
-        TypeError: neither int nor str.
-
-    ``what`` names the argument in messages; ``minimum``: the smallest size accepted (bytes).
-    """
-    if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise TypeError(f"{what} must be an int (bytes) or a str like '10GB', got {type(size).__name__}")
-    if isinstance(size, int):
-        value = size
-    else:
-        m = _SIZE_RE.match(size)
-        unit = m.group(2).upper() if m else ""
-        if not m or unit not in _UNITS:
-            raise ValueError(
-                f"{what} {size!r} is not a size: use bytes (int) or a number with one of the units "
-                "TB, GB, MB, KB (powers of 10), TiB, GiB, MiB, KiB (powers of 2); e.g. '10GB'"
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
-        if m.group(2)[-1] == "b" and not unit.endswith("IB"):
-            value //= 8  # "Gb": gigabits
-    if value < minimum:
-        raise ValueError(f"{what} must be at least {minimum} byte(s), got {size!r} ({value} bytes)")
-    return value
-
 
 def shard_name(base: str, k: int, n: int) -> str:
     """``shard_name("model", 1, 3) == "model-00001-of-00003.safetensors"`` (k counts from 1)."""
@@ -114,7 +73,7 @@ def split_part(part: Any, max_bytes: int | None) -> tuple[list[Any], dict[str, s
 
     Args:
         part: the FilePart; ``max_bytes`` None (or a part that fits) leaves it whole.
-        max_bytes: the shard size limit in bytes (from :func:`parse_size`).
+        max_bytes: the shard size limit in bytes (from :func:`fastckpt._io.sizes.parse_size`).
 
     Returns:
         ``(parts, texts)``: the parts to write and ``{index file name: JSON}`` (empty when not sharded).

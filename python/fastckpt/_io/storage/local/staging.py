@@ -87,6 +87,8 @@ class OwnedPath:
                 fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileExistsError:
                 continue
+            except OSError as exc:  # name what the caller writes, not fastckpt's hidden lock file (e.g. /proc/x)
+                raise _unwritable(exc, parent, target_name) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.write(fd, f"{os.getpid()}\n".encode() + os.fsencode(target_name) + b"\n")
@@ -96,12 +98,10 @@ class OwnedPath:
             except (BlockingIOError, FileNotFoundError):
                 os.close(fd)
                 continue
-            except OSError as exc:  # a full disk: name the lock file
+            except OSError as exc:  # a full disk: name the target
                 os.close(fd)
                 _unlink(self.lock_path)
-                if exc.filename is None:
-                    raise type(exc)(exc.errno, f"writing the lock file: {exc.strerror}", str(self.lock_path)) from None
-                raise
+                raise _unwritable(exc, parent, target_name) from None
             except BaseException:
                 os.close(fd)
                 _unlink(self.lock_path)
@@ -126,6 +126,14 @@ class OwnedPath:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _unwritable(exc: OSError, parent: Path, target_name: str) -> OSError:
+    """``exc`` (an OSError creating the owner's lock file in ``parent``) as the same builtin class and errno, naming
+    the path the caller writes (``parent/target_name``, the folder the user gave) instead of the hidden lock file."""
+    target = parent / target_name
+    return type(exc)(exc.errno, f"cannot write {target}: its folder {parent} does not take new files "
+                                f"({exc.strerror or exc})", str(target))
 
 
 def glob_escape(name: str) -> str:

@@ -88,7 +88,7 @@ class MemorySave:
         manifest last; ``options``: ``ready``, ``progress``, ``before_commit`` (see
         :func:`fastckpt._io.storage.local.commit.write_checkpoint`). Returns ``{file name: bytes}``."""
         durable = self.tier.durable if durable is None else durable
-        extra = None if self.tier.project is None else {"project": self.tier.project}
+        extra = {k: v for k, v in (("project", self.tier.project), ("project_id", self.tier.project_id)) if v}
         self.files = write_files(plan, self.staging, save_id=secrets.token_hex(8), durable=durable, threads=threads,
                                  extra=extra,
                                  ready=options.get("ready"), file_mode=None, progress=options.get("progress"),
@@ -140,13 +140,16 @@ class MemoryTier:
         durable: fsync what is written (False for tmpfs, where it costs nothing and buys nothing).
         keep: committed checkpoints kept (the newest; older ones go once a newer one is committed).
         project: the identity of the project whose snapshots these are (its resolved folder), recorded in each
-            snapshot's manifest (``"project"``) so that a restore of another project skips them.
+            snapshot's manifest (``"project"``) so that a restore of another project skips them; with
+            :attr:`project_id` set, the project folder's incarnation too (``"project_id"``: a folder deleted and
+            made again at the same path is another project).
     """
 
     def __init__(self, root: Path, *, tier: str = "memory", durable: bool = False, keep: int = 1,
                  project: str | None = None) -> None:
         self.root = Path(root)
         self.project = project
+        self.project_id: str | None = None  # the project folder's incarnation, recorded as "project_id"
         self.folder = self.root / CHECKPOINTS_DIR
         self.location = str(self.root)
         self.tier = tier
