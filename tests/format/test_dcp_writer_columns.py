@@ -144,3 +144,13 @@ def test_shuffled_results_and_a_missing_chunk():
     del results[0][0]
     with pytest.raises(KeyError, match="no rank wrote the chunk of 'w' at offsets \\[14, 0\\]"):
         _new_writer(metadata, results)
+
+
+def test_a_chunk_of_other_dimensions_is_refused_before_anything_is_written():
+    world = 4
+    plans, metadata = merge_save_plans(_plans(world, [("w", (8, 2))]))
+    results = _results(world, plans)
+    chunks = metadata.state_dict_metadata["w"].chunks
+    chunks[1] = ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2]))  # sizes of one dimension
+    with pytest.raises(ValueError, match="tensor 'w' of 2 dimensions has a chunk of other dimensions"):
+        _new_writer(metadata, results)

@@ -76,9 +76,16 @@ def make_columns(fqn: str, size: Any, offsets: np.ndarray, sizes: np.ndarray, fi
 
 
 def columns_of(fqn: str, md: TensorStorageMetadata, files: list[str], names: list[str]) -> TensorColumns:
-    """The columns of ``md``'s chunks located in ``files`` / ``names`` (one each per chunk, in chunk order)."""
+    """The columns of ``md``'s chunks located in ``files`` / ``names`` (one each per chunk, in chunk order).
+
+    Raises:
+        ValueError: a chunk whose offsets or sizes have another length than the tensor's dimensions.
+    """
     chunks = md.chunks
     n, ndim = len(chunks), len(md.size)
+    if n and {ndim} != set(map(len, map(_OFFSETS, chunks))) | set(map(len, map(_SIZES, chunks))):
+        raise ValueError(f"tensor {fqn!r} of {ndim} dimensions has a chunk of other dimensions; nothing was "
+                         "committed")
     offsets = np.fromiter(chain.from_iterable(map(_OFFSETS, chunks)), np.int64, n * ndim).reshape(n, ndim)
     sizes = np.fromiter(chain.from_iterable(map(_SIZES, chunks)), np.int64, n * ndim).reshape(n, ndim)
     return make_columns(fqn, md.size, offsets, sizes, files, names)
