@@ -22,8 +22,17 @@ its ``step`` replicated on every rank, as FSDP2 gives them):
   rows of every tensor), which DCP runs on every rank;
 - ``rank metadata parse``: one rank's reading of the merged ``dcp_metadata.json`` (every rank parses and checks
   it on load: N chunks per tensor, their cover checked).
+- ``rank index read + load plan``: what one rank does to plan its load over the folder's ``dcp_index.bin`` (read
+  its header, plan with the chunks its boxes overlap, look up each chunk it reads; ``dcp_metadata.json`` is never
+  read); ``, committed folder``: the same over the folder as ``fastckpt.dcp.save`` commits it, whose manifest
+  ``fastckpt.json`` (one entry per rank's shard file) the reader also reads.
 - ``rank manifest read``: one rank's parse of the checkpoint's manifest, which still lists every rank's files (the
   modelled entries carry no per-tensor crc32c / xxh3, so this is a lower bound of the real manifest's cost).
+
+``--llm N`` adds an 8B Llama-shaped FSDP2 + AdamW state on N ranks (accelerate#4099: 2816), with ``--llm-layers``
+of its 32 decoder layers (default 4: every layer has the same per-rank shape, see :func:`llm_model`).
+``--writer-ab N`` runs only a same-run A/B of the metadata + index writer (the per-chunk one it replaced against
+the column one, same bytes checked).
 
 Work is counted as Python function calls (``sys.setprofile``: every ``call`` and ``c_call`` event), which is
 deterministic; CPU seconds of the process (``time.process_time``) are printed beside it, with the
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -63,7 +73,11 @@ def linear_model(world: int, tensors: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def llm_model(world: int, layers: int = 32) -> list[tuple[str, tuple[int, ...]]]:
-    """An 8B Llama-shaped decoder (hidden 4096, 8 KV heads of 128, MLP 14336, vocabulary 128256): 291 tensors."""
+    """An 8B Llama-shaped decoder (hidden 4096, 8 KV heads of 128, MLP 14336, vocabulary 128256): 291 tensors at
+    32 layers. Every layer has the same 9 tensors, so each rank's share of each layer (its ``Shard(0)`` blocks, the
+    chunks per tensor) is the same whatever the number of layers: the coordinator's work is the embeddings' and
+    head's plus ``layers`` times one layer's, and fewer layers model the same per-rank shape in less memory (all
+    32 at 2816 ranks are ~3.3 M plan items, ~14 GB in this one process)."""
     h, kv, mlp, vocab = 4096, 1024, 14336, 128256
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(layers):
@@ -260,6 +274,19 @@ def rank_state(world: int, r: int, metadata: Any) -> dict[str, Any]:
     return state
 
 
+def commit_manifest(folder: pathlib.Path, files: dict[str, Any]) -> None:
+    """Write the ``fastckpt.json`` a committing ``fastckpt.dcp.StorageWriter`` (``fastckpt.dcp.save``) writes
+    into the folder it commits: one entry per file of the save (every rank's shard file)."""
+    import json
+
+    from fastckpt._io.storage.local.layout import MANIFEST, manifest_dict
+
+    sizes = {name: entry["bytes"] for name, entry in files.items()}
+    checksums = {name: {k: v for k, v in entry.items() if k != "bytes"} for name, entry in files.items()}
+    (folder / MANIFEST).write_text(json.dumps(manifest_dict("dcp", sizes, {"layout": "dcp"}, 0, checksums=checksums),
+                                              indent=2))
+
+
 def rank_load_indexed(world: int, folder: pathlib.Path) -> tuple[int, int]:
     """What one rank (``world // 2``) does to plan a load over an indexed folder: ``StorageReader.read_metadata``
     (the index's header), ``fastckpt.dcp.LoadPlanner`` (the chunks its boxes overlap, by binary search; DCP's
@@ -276,8 +303,9 @@ def rank_load_indexed(world: int, folder: pathlib.Path) -> tuple[int, int]:
     return len(plan.items), reader._parsed.index.bytes_read
 
 
-def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int, float]]:
-    """Ops and seconds of each coordinator step (and one rank's load planning) at ``world`` ranks."""
+def measure(world: int, tensors: int, model: Any = None, *, full: bool = True) -> dict[str, tuple[int, float]]:
+    """Ops and seconds of each coordinator step (and one rank's load planning) at ``world`` ranks (``full``: also
+    one rank's planning and parse over the whole ``dcp_metadata.json``, what a rank did before the index)."""
     plans = rank_plans(world, tensors, model)
     out: dict[str, tuple[int, float]] = {}
     ops, secs, (final, metadata) = count_ops(lambda: global_plan(plans))
@@ -306,14 +334,18 @@ def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int,
     out["coordinator total"] = (sum(out[k][0] for k in ("global plan", "writer", "manifest")),
                                 sum(out[k][1] for k in ("global plan", "writer", "manifest")))
     out["coordinator total, wall s"] = (0, sum(walls))
-    ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
-    out["rank load plan, full metadata"] = (ops, secs)
-    from fastckpt._format.dcp_metadata import parse_metadata
+    if full:
+        ops, secs, _ = count_ops(lambda: rank_load_plan(world, tensors, metadata))
+        out["rank load plan, full metadata"] = (ops, secs)
+        from fastckpt._format.dcp_metadata import parse_metadata
 
-    ops, secs, _ = count_ops(lambda: parse_metadata(text, "dcp_metadata.json"))
-    out["rank metadata parse, full metadata"] = (ops, secs)
+        ops, secs, _ = count_ops(lambda: parse_metadata(text, "dcp_metadata.json"))
+        out["rank metadata parse, full metadata"] = (ops, secs)
     ops, secs, (items, looked_at) = count_ops(lambda: rank_load_indexed(world, folder))
     out["rank index read + load plan"] = (ops, secs)
+    commit_manifest(folder, files)  # the same folder as fastckpt.dcp.save commits it: the reader reads its manifest
+    ops, secs, _ = count_ops(lambda: rank_load_indexed(world, folder))
+    out["rank index read + load plan, committed folder (+ its manifest)"] = (ops, secs)
     ops, secs, _ = count_ops(lambda: rank_manifest_read(manifest_text))
     out["rank manifest read (every rank's entries)"] = (ops, secs)
     out["dcp_metadata.json KB"] = (0, len(text) / 1e3)
@@ -324,30 +356,85 @@ def measure(world: int, tensors: int, model: Any = None) -> dict[str, tuple[int,
     return out
 
 
+def writer_ab(world: int, tensors: int, rounds: int = 5) -> None:
+    """Same-run A/B of the coordinator's ``dcp_metadata.json`` + ``dcp_index.bin`` building on one set of plans and
+    write results: the per-chunk writer this replaced (``tests/helpers/dcp_reference_writer.py``) against
+    ``StorageWriter._metadata_text`` (columns), alternated, CPU seconds, garbage collector paused for both (as
+    ``finish`` pauses it); prints each round and the median of the per-round ratios. Both give the same bytes."""
+    import gc
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.dcp_reference_writer import reference_files_and_text
+
+    import fastckpt.dcp
+
+    plans = rank_plans(world, tensors)
+    final, metadata = global_plan(plans)
+    results = write_results(world, final)
+    writer = fastckpt.dcp.StorageWriter("unused", commit=False)
+    ratios = []
+    for k in range(rounds):
+        secs = {}
+        for name in (("reference", "columns") if k % 2 == 0 else ("columns", "reference")):
+            gc.disable()
+            start = time.process_time()
+            if name == "reference":
+                out = reference_files_and_text(metadata, results)
+            else:
+                out = writer._metadata_text(metadata, results)[:2]
+            secs[name] = time.process_time() - start
+            gc.enable()
+            secs[name + " bytes"] = out
+        assert secs["reference bytes"] == secs["columns bytes"]
+        ratios.append(secs["columns"] / secs["reference"])
+        print(f"round {k}: reference {secs['reference']:.3f} s, columns {secs['columns']:.3f} s, "
+              f"ratio {ratios[-1]:.2f}")
+    print(f"writer A/B at N={world}: median per-round ratio columns / reference {statistics.median(ratios):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="256,512,1024,2048,4096")
     parser.add_argument("--tensors", type=int, default=16, help="Linear layers (weight + bias each)")
     parser.add_argument("--llm", type=int, default=0, metavar="N",
                         help="also model an 8B Llama-shaped FSDP2 + AdamW state on N ranks (accelerate#4099: 2816)")
+    parser.add_argument("--llm-layers", type=int, default=4, metavar="L",
+                        help="decoder layers of the --llm model (of the 8B model's 32; see llm_model)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="R",
+                        help="measure every world R times (in turn) and print the median seconds (calls are exact)")
+    parser.add_argument("--no-full", action="store_true",
+                        help="skip the rows over the whole dcp_metadata.json (what a rank did before the index)")
+    parser.add_argument("--writer-ab", type=int, default=0, metavar="N",
+                        help="only the same-run A/B of the metadata + index writer (per-chunk vs columns) at N ranks")
     parser.add_argument("--no-count", "--wall-only", dest="no_count", action="store_true",
                         help="time without counting calls (no profiler)")
     args = parser.parse_args()
     global PROFILE
     PROFILE = not args.no_count
     sys.path.insert(0, str(ROOT / "python"))
+    if args.writer_ab:
+        writer_ab(args.writer_ab, args.tensors)
+        return
     worlds = [int(w) for w in args.ranks.split(",")]
     print(f"synthetic FSDP2 plans: {args.tensors} x (weight [{ROWS_PER_RANK}N, {COLS}] + bias [{ROWS_PER_RANK}N]) "
           "+ AdamW (exp_avg, exp_avg_sq sharded, step replicated); N ranks; ops = Python/C calls, s = CPU seconds")
     print("| step | " + " | ".join(f"N={w}" for w in worlds) + " | ops ratio per doubling |")
     print("|---|" + "---|" * (len(worlds) + 1))
-    rows = {w: measure(w, args.tensors) for w in worlds}
+    measure(64, args.tensors)  # warm-up (imports, first calls): not reported
+    runs: dict[int, list[dict[str, tuple[int, float]]]] = {w: [] for w in worlds}
+    for _ in range(args.repeat):  # the worlds in turn, each round: the machine's load hits them alike
+        for w in worlds:
+            runs[w].append(measure(w, args.tensors, full=not args.no_full))
+    rows = {w: {step: (rs[0][step][0], statistics.median(r[step][1] for r in rs)) for step in rs[0]}
+            for w, rs in runs.items()}
     _table(rows, worlds)
     if args.llm:
         world = args.llm
-        print(f"\n8B Llama-shaped model (291 tensors, Shard(0) over N ranks by torch.chunk's split) + AdamW, N={world}")
+        model = llm_model(world, args.llm_layers)
+        print(f"\n8B Llama-shaped model, {args.llm_layers} of its 32 decoder layers ({len(model)} of 291 tensors, "
+              f"Shard(0) over N ranks by torch.chunk's split) + AdamW, N={world}")
         print(f"| step | N={world} |\n|---|---|")
-        llm = measure(world, 0, llm_model(world))
+        llm = measure(world, 0, model, full=False)
         for step, (ops, secs) in llm.items():
             print(f"| {step} | {_cell(step, ops, secs)} |")
 

@@ -196,6 +196,32 @@ def test_hostile_metadata_is_a_header_error(saved, kind):
     assert not got["w"].any()
 
 
+def test_the_reader_checks_the_manifest_entries_it_uses(saved):
+    # a rank of an N-rank load opens a few of the N shard files the manifest lists: it checks those entries only
+    from fastckpt._io.storage.local.layout import read_manifest
+
+    manifest_path = saved / "fastckpt.json"
+    os.chmod(manifest_path, 0o644)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["unused.safetensors"] = {"bytes": 1, "crc32c": "not hex"}
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(HeaderError, match="unused.safetensors"):
+        read_manifest(saved, check_sizes=False)
+    records = read_manifest(saved, check_sizes=False, check_entries=False)["files"]
+    assert records.get("dcp_metadata.json")["bytes"] > 0 and records.get("missing") is None
+    with pytest.raises(HeaderError, match="unused.safetensors.*crc32c.*8 hex digits"):
+        records.get("unused.safetensors")
+    got = template(full_state())
+    fastckpt.dcp.load(got, saved)  # the entry no load uses is not this load's concern
+    assert mismatches(full_state(), got) == []
+    manifest["files"]["shard-00000-of-00001.safetensors"]["crc32c"] = "XYZ"
+    manifest_path.write_text(json.dumps(manifest))
+    got = template(full_state())
+    with pytest.raises(HeaderError, match="shard-00000-of-00001.safetensors.*crc32c"):
+        fastckpt.dcp.load(got, saved)
+    assert not got["w"].any()
+
+
 def test_a_file_that_disagrees_with_the_metadata_is_refused_before_any_read(saved):
     shard = saved / "shard-00000-of-00001.safetensors"
     with safe_open(shard, "pt") as f:

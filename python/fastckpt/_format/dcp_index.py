@@ -44,7 +44,7 @@ from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.json_input import load_json
 from fastckpt.errors import DtypeError, HeaderError
 
-__all__ = ["INDEX_FILE", "chunk_name", "shard_file_name", "ChunkIndex", "Found"]
+__all__ = ["INDEX_FILE", "chunk_name", "shard_file_name", "shard_rank", "ChunkIndex", "Found"]
 
 INDEX_FILE = "dcp_index.bin"
 FORMAT = "fastckpt-dcp-index"
@@ -60,6 +60,16 @@ MAX_HEADER_BYTES = 256 << 20
 def shard_file_name(rank: int, world_size: int) -> str:
     """``shard-00000-of-00002.safetensors``: the chunks rank ``rank`` writes (ranks count from 0)."""
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def shard_rank(file: str, world_size: int) -> int | None:
+    """The rank r whose :func:`shard_file_name` ``file`` is (``0 <= r < world_size``), else None."""
+    suffix = f"-of-{world_size:05d}.safetensors"
+    if file.startswith("shard-") and file.endswith(suffix):
+        digits = file[len("shard-"):-len(suffix)]
+        if digits.isdigit() and int(digits) < world_size and shard_file_name(int(digits), world_size) == file:
+            return int(digits)
+    return None
 
 
 def chunk_name(fqn: str, offsets: Any, sizes: Any, full: Any) -> str:

@@ -20,7 +20,6 @@ weights point at one stored chunk). Non-tensor values and ``planner_data`` are w
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -37,12 +36,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fastckpt import _core
-from fastckpt._format.codec import encode
-from fastckpt._format.dtypes import to_safetensors_dtype, to_torch_dtype
+from fastckpt._format.dtypes import to_torch_dtype
 from fastckpt._format.json_input import decode_json, load_json
 from fastckpt.errors import DtypeError, HeaderError
 
-__all__ = ["METADATA_FILE", "FORMAT", "ChunkLocation", "ParsedMetadata", "metadata_json", "parse_metadata",
+__all__ = ["METADATA_FILE", "FORMAT", "ChunkLocation", "ParsedMetadata", "parse_metadata",
            "is_plain_file_name", "storage_meta_json"]
 
 METADATA_FILE = "dcp_metadata.json"
@@ -78,53 +76,8 @@ def is_plain_file_name(name: Any) -> bool:
             and not any(ord(c) < 32 for c in name))
 
 
-def metadata_json(metadata: Metadata, chunks: dict[tuple[str, tuple[int, ...]], ChunkLocation],
-                  objects: dict[str, Any]) -> str:
-    """The JSON text for ``metadata``.
-
-    Args:
-        metadata: the global plan's metadata (``finish`` receives it).
-        chunks: ``{(fqn, offsets): ChunkLocation}`` for every stored tensor chunk.
-        objects: ``{fqn: codec-encoded value}`` for every non-tensor entry.
-
-    Raises:
-        DtypeError: a tensor dtype the safetensors format cannot store.
-        TypeError: ``planner_data`` holds an object that needs pickle (names its path).
-        KeyError: a chunk or object of ``metadata`` was not written by any rank.
-        ValueError: a tensor of more than ``_core.MAX_DCP_RANK`` dimensions, or a text over
-            ``_core.MAX_DCP_METADATA_BYTES``: what :func:`parse_metadata` refuses is never written.
-    """
-    entries: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            out_chunks = []
-            for chunk in md.chunks:  # torch.Size: ints, hashing and comparing as their tuple
-                loc = chunks[(fqn, tuple(chunk.offsets))]
-                out_chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
-                                   "file": loc.file, "name": loc.name})
-            if len(md.size) > _core.MAX_DCP_RANK:
-                raise ValueError(f"tensor {fqn!r} has {len(md.size)} dimensions, over the {_core.MAX_DCP_RANK} the "
-                                 f"{METADATA_FILE} reader accepts; nothing was committed")
-            entries[fqn] = {"tensor": {"dtype": to_safetensors_dtype(md.properties.dtype, name=fqn),
-                                       "size": [int(s) for s in md.size], "chunks": out_chunks}}
-        else:
-            entries[fqn] = {"object": objects[fqn]}
-    doc = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "dcp_version": getattr(metadata, "version", None),
-        "state_dict": entries,
-        "planner_data": encode(metadata.planner_data, path="planner_data"),
-        "storage_meta": storage_meta_json(metadata),
-    }
-    text = json.dumps(doc, allow_nan=False)
-    if len(text) > _core.MAX_DCP_METADATA_BYTES:  # what parse_metadata would refuse: not committed
-        raise ValueError(f"{METADATA_FILE} would be {len(text)} characters ({len(entries)} entries), over the "
-                         f"{_core.MAX_DCP_METADATA_BYTES} its reader accepts; nothing was committed")
-    return text
-
-
 def storage_meta_json(metadata: Metadata) -> dict[str, Any] | None:
+    """``metadata.storage_meta`` as the JSON object ``dcp_metadata.json`` and the index record (or None)."""
     meta = metadata.storage_meta
     return None if meta is None else {
         "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageWriter as _DCPStorageWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -18,12 +18,14 @@ from torch.futures import Future
 from fastckpt._format.codec import encode
 from fastckpt._format.dcp_index import INDEX_FILE, chunk_name, shard_file_name
 from fastckpt._format.dcp_index_write import index_bytes
-from fastckpt._format.dcp_metadata import METADATA_FILE, ChunkLocation, metadata_json
+from fastckpt._format.dcp_metadata import METADATA_FILE
+from fastckpt._format.dcp_metadata_write import metadata_text
 from fastckpt._io.storage import resolve
 from fastckpt._io.storage.base import PartSave, PartStorage
-from fastckpt._io.storage.local.integrity import digest_entry, text_entry
+from fastckpt._io.storage.local.integrity import text_entry
 from fastckpt._io.storage.local.layout import manifest_dict
 from fastckpt.dcp.gc_pause import gc_paused
+from fastckpt.dcp.results import merge_results
 
 __all__ = ["StorageWriter", "shard_file_name"]
 
@@ -204,27 +206,11 @@ class StorageWriter(_DCPStorageWriter):
         self._finish(text, index, files)
 
     def _metadata_text(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[bytes, bytes, dict]:
-        """``(dcp_metadata.json, dcp_index.bin, {file: manifest entry})`` of the save (coordinator)."""
-        chunks: dict[tuple[str, tuple[int, ...]], ChunkLocation] = {}
-        objects: dict[str, Any] = {}
-        files: dict[str, dict[str, Any]] = {}
-        for rank_results in results:
-            last_digests = None
-            for r in rank_results:
-                data = r.storage_data
-                digests = data.get("digests", ())
-                if digests is not last_digests:  # a rank's results share one list: its files, entered once
-                    last_digests = digests
-                    for name, digest in digests:
-                        files[name] = {"bytes": digest[0], **digest_entry(digest)}
-                if "object" in data:
-                    objects[r.index.fqn] = data["object"]
-                else:
-                    index: MetadataIndex = r.index
-                    # torch.Size holds ints and hashes / compares as the tuple of them
-                    chunks[(index.fqn, tuple(index.offset or ()))] = ChunkLocation(data["file"], data["name"])
-        text = metadata_json(metadata, chunks, objects).encode("utf-8")
-        return text, index_bytes(metadata, chunks, objects, len(results), text), files
+        """``(dcp_metadata.json, dcp_index.bin, {file: manifest entry})`` of the save (coordinator), written from
+        columns (:mod:`fastckpt.dcp.results`)."""
+        columns, objects, files = merge_results(metadata, results)
+        text = metadata_text(metadata, columns, objects, len(results))
+        return text, index_bytes(metadata, columns, objects, len(results), text), files
 
     def _finish(self, text: bytes, index: bytes, files: dict[str, dict[str, Any]]) -> None:
         """Write the index, then ``dcp_metadata.json`` (last: a folder with it is complete), then commit the save

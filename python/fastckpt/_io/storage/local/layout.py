@@ -184,7 +184,8 @@ def is_model_file(name: str) -> bool:
 
 
 def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: bool = False,
-                  check_counts: bool = True, parsed: dict[str, Any] | None = None) -> dict[str, Any]:
+                  check_counts: bool = True, parsed: dict[str, Any] | None = None,
+                  check_entries: bool = True) -> dict[str, Any]:
     """Read and check ``folder/fastckpt.json``.
 
     ``parsed``: the manifest as already read (a :class:`~fastckpt._io.storage.base.CheckpointView`'s, see
@@ -195,6 +196,10 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
 
     ``model_files_only``: check the sizes of the model files alone (a model-only load of a full checkpoint whose
     optimizer files were pruned or damaged still loads its weights).
+
+    ``check_entries=False`` (with ``check_sizes=False``): the top-level ``files`` entries are checked when they are
+    read (:class:`CheckedOnUse`), not all at once: one rank of a DCP load opens a few of the N shard files a
+    manifest lists, and checking every entry made its read grow with N.
 
     Raises:
         MissingStateError: no manifest (not a fastckpt checkpoint, or an unfinished save).
@@ -217,7 +222,9 @@ def read_manifest(folder: Path, *, check_sizes: bool = True, model_files_only: b
         raise HeaderError(f"{path}: not a fastckpt manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise HeaderError(f"{path}: format_version {manifest.get('format_version')!r}, this fastckpt reads {FORMAT_VERSION}")
-    _check_manifest_fields(path, manifest)
+    _check_manifest_fields(path, manifest, entries=check_entries or check_sizes)
+    if not (check_entries or check_sizes):
+        manifest = {**manifest, "files": CheckedOnUse(manifest.get("files", {}), path)}
     if check_counts:
         _check_counts(folder, manifest)
     if check_sizes:
@@ -244,13 +251,17 @@ def peek_manifest(folder: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) else None
 
 
+_HEX8 = re.compile("[0-9a-f]{8}")
+_HEX32 = re.compile("[0-9a-f]{32}")
+
+
 def _is_hex8(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _HEX8.fullmatch(value) is not None  # one call per entry, not one per digit
 
 
 def is_hash_hex(value: Any) -> bool:
     """Whether ``value`` is a content hash as the manifest stores it: 32 lowercase hex digits (xxh3-128)."""
-    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _HEX32.fullmatch(value) is not None
 
 
 def _check_sharing_fields(bad: Any, manifest: dict[str, Any]) -> None:
@@ -277,8 +288,29 @@ def _check_sharing_fields(bad: Any, manifest: dict[str, Any]) -> None:
         raise bad(f"'peft' must be a file name, got {manifest['peft']!r}")
 
 
-def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
-    """The manifest's fields have the types fastckpt writes; file names stay inside the folder (HeaderError)."""
+class CheckedOnUse(dict):
+    """A manifest's ``files`` whose entries are checked (as :func:`read_manifest` checks them: HeaderError naming
+    the manifest and the entry) the first time ``get`` or ``[]`` reads them."""
+
+    def __init__(self, files: dict[str, Any], path: Path) -> None:
+        super().__init__(files)
+        self._path = path
+        self._checked: set[str] = set()
+
+    def __getitem__(self, name: str) -> Any:
+        info = super().__getitem__(name)
+        if name not in self._checked:
+            _check_file_entries(lambda msg: HeaderError(f"{self._path}: {msg}"), {name: info}, top=True)
+            self._checked.add(name)
+        return info
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self[name] if name in self else default
+
+
+def _check_manifest_fields(path: Path, manifest: dict[str, Any], *, entries: bool = True) -> None:
+    """The manifest's fields have the types fastckpt writes; file names stay inside the folder (HeaderError).
+    ``entries=False``: not the top-level ``files`` entries (checked on use, :class:`CheckedOnUse`)."""
     def bad(msg: str) -> HeaderError:
         return HeaderError(f"{path}: {msg}")
 
@@ -293,7 +325,8 @@ def _check_manifest_fields(path: Path, manifest: dict[str, Any]) -> None:
     files = manifest.get("files", {})
     if not isinstance(files, dict):
         raise bad(f"'files' must be an object, got {type(files).__name__}")
-    _check_file_entries(bad, files, top=True)
+    if entries:
+        _check_file_entries(bad, files, top=True)
     sharded = manifest.get("sharded")
     if sharded is not None:
         if not isinstance(sharded, dict) or not isinstance(sharded.get("files", {}), dict):

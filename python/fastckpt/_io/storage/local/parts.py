@@ -131,10 +131,11 @@ class LocalPartView:
         """Nothing to do: every file is in the folder."""
 
     def records(self) -> dict[str, Any]:
-        """The manifest's file records (sizes are checked as each file is opened), ``{}`` without one."""
+        """The manifest's file records (each entry and size checked as its file is opened: a rank opens a few of
+        the N files, see :func:`~fastckpt._io.storage.local.layout.read_manifest`), ``{}`` without one."""
         if not (self.folder / MANIFEST).is_file():
             return {}
-        records = read_manifest(self.folder, check_sizes=False).get("files", {})
+        records = read_manifest(self.folder, check_sizes=False, check_entries=False).get("files", {})
         return records if isinstance(records, dict) else {}
 
     def close(self) -> None:
