@@ -327,8 +327,9 @@ class SafetensorsFile:
         probe; its first pages prove nothing, the header's readahead brought them)."""
         ...
     def prefetch(self, *, max_bytes: int = ...) -> None:
-        """Start reading the tensors' bytes (at most ``max_bytes``) into the page cache without waiting
-        (``posix_fadvise(WILLNEED)``); nothing when they look cached or the file is closed."""
+        """Hint the kernel to read the tensors' bytes (at most ``max_bytes``) into the page cache without waiting
+        (``posix_fadvise(WILLNEED)``; Linux reads one readahead window per hint); nothing when they look cached
+        or the file is closed."""
         ...
     def verify(self, tensors: Sequence[tuple[str, int]], *, file_crc32c: int | None = None,
                recorded_in: str = "fastckpt.json", threads: int = 0,

@@ -206,15 +206,14 @@ class safe_open:  # noqa: N801 - the name safetensors users import
 
     def get_tensors(self) -> Dict[str, torch.Tensor]:
         """Every tensor, in file order: the mmap backend hands out zero-copy views of the private file mapping,
-        first asking the kernel to read a cold data section ahead (``posix_fadvise(WILLNEED)`` over at most a
-        quarter of the machine's memory, skipped when it looks cached), so the pages arrive from large reads in
-        flight instead of one fault at a time; the pread backend reads every tensor in one parallel core call
-        (file order, readahead-hinted).
+        after a ``posix_fadvise(WILLNEED)`` hint on a cold data section (the kernel reads the first ``read_ahead_kb``
+        of it at once; touching the pages brings the rest by the kernel's fault readahead, overlapped with the
+        touching); the pread backend reads every tensor in one parallel core call (file order, readahead-hinted).
 
-        Why views and not a read into fresh memory (issue 26, measured cold on a 1.1 GB file, 2 shared cores):
-        positional reads into a fresh anonymous buffer (16 x 8 MiB in flight, huge pages) took 0.5-0.7 s against
-        0.16-0.24 s for the hinted mapping; the read allocates every page twice (page cache and buffer) and copies
-        every byte once more, which is CPU the two cores do not have (benches/RESULTS.md).
+        Why views and not a read into fresh memory (issue 26, measured cold on the 0.37 GB weights of gpt-1GB,
+        2 shared cores): positional reads into a fresh anonymous buffer (16 x 8 MiB in flight, huge pages) took
+        0.5-0.7 s against 0.16-0.25 s for the mapping; the read allocates every page twice (page cache and buffer)
+        and copies every byte once more, which is CPU the two cores do not have (benches/RESULTS.md).
         """
         self._check_open()
         if self._backend == "mmap":

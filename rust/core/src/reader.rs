@@ -163,11 +163,11 @@ impl SafetensorsFile {
         self.map.is_some()
     }
 
-    /// Start reading the data section into the page cache (at most `max_bytes` of it) without waiting, unless it
-    /// looks cached already (pages at 1/5..4/5 of it are; the first pages prove nothing, the header's readahead
-    /// brought them): a load that will touch every tensor of a mapped file (`load_file`) then finds the
-    /// pages arriving from many large reads in flight instead of faulting them in one readahead window at a time.
-    /// A closed file is not hinted.
+    /// Hint the kernel to read the data section (at most `max_bytes` of it) into the page cache without waiting,
+    /// unless it looks cached already (pages at 1/5..4/5 of it are; the first pages prove nothing, the header's
+    /// readahead brought them). Linux reads at most the device's readahead size (`read_ahead_kb`) per hint, so
+    /// this starts the first window; a mapped load (`load_file`) gets the rest from fault readahead as it touches
+    /// the pages. A closed file is not hinted.
     pub fn prefetch(&self, max_bytes: u64) {
         let Ok(file) = self.handle("prefetch") else {
             return;
