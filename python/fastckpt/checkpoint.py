@@ -33,6 +33,7 @@ from fastckpt._state.sharded import is_sharded
 from fastckpt.checkpoint_impl import (
     _as_list,
     _check_common,
+    _check_flags,
     _check_map_location,
     save_to,
 )
@@ -239,6 +240,9 @@ def save_state(
         :class:`~fastckpt._io.storage.tiered.upload.TieredSave` (``wait_local()``, ``wait()`` for the remote commit).
 
     Raises:
+        OptionTypeError: a flag (``model_only``, ``durable``, ``trainable_only``, ``share_unchanged``) that is not
+            True or False, or an ``output_dir`` that is no path; OptionError (a ValueError): a bad ``threads``,
+            ``step`` or ``total_limit``. Raised before anything is written.
         DtypeError: a tensor dtype the format cannot store (names the tensor).
         TypeError: scheduler / optimizer state that cannot be stored without pickle (names its path).
         ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``;
@@ -334,6 +338,9 @@ def load_state(
         ``LoadResult(missing_keys, unexpected_keys)`` for the model(s).
 
     Raises:
+        OptionTypeError: a flag (``model_only``, ``strict``, ``trust_pickle``, ``verify``, ``cast``) that is not True
+            or False, or an ``input_dir`` that is no path; OptionError (a ValueError): a bad ``threads`` or
+            ``map_location``. Raised before anything is read.
         MissingStateError: no checkpoint, or a part asked for is absent (a full load of a model-only
             checkpoint names the missing files); raised before anything is changed.
         KeyMismatchError: ``strict`` and model keys differ (both lists named), or optimizer coverage fails.
@@ -355,6 +362,7 @@ def load_state(
     """
     if model is None:
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
+    _check_flags(model_only=model_only, strict=strict, trust_pickle=trust_pickle, verify=verify, cast=cast)
     _check_common(threads)
     _check_map_location(map_location)
     models, optimizers, schedulers = (_as_list(model, "model"), _as_list(optimizer, "optimizer"),

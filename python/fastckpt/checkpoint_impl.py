@@ -25,6 +25,7 @@ from fastckpt._plan.save import build_save_plan
 from fastckpt._plan.share import split_shared
 from fastckpt._state.sharded import is_sharded
 from fastckpt.checkpoint_sharded import save_sharded_state
+from fastckpt.errors import OptionError, OptionTypeError
 
 __all__: list[str] = []
 
@@ -61,9 +62,17 @@ def _as_list(obj: Any, kind: str) -> list:
     return items
 
 
+def _check_flags(**flags: Any) -> None:
+    """Each of ``flags`` is True or False: a truthy string (``model_only="no"``) would silently save or load
+    something else than asked (an ``OptionTypeError`` naming the option, as the checkpoint manager's checks)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise OptionTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
 def _check_common(threads: int) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
+        raise OptionError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
 
 
 def _check_save_args(model: Any, threads: int, step: int, total_limit: int | None) -> None:
@@ -71,10 +80,10 @@ def _check_save_args(model: Any, threads: int, step: int, total_limit: int | Non
         raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to save")
     _check_common(threads)
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
-        raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+        raise OptionError(f"step must be an int in [0, 2**63), got {step!r}")
     if total_limit is not None and (isinstance(total_limit, bool) or not isinstance(total_limit, int)
                                     or total_limit < 1):
-        raise ValueError(f"total_limit must be an int >= 1 (or None to keep every checkpoint), got {total_limit!r}")
+        raise OptionError(f"total_limit must be an int >= 1 (or None to keep every checkpoint), got {total_limit!r}")
 
 
 def _check_map_location(map_location: Any) -> None:
@@ -83,11 +92,11 @@ def _check_map_location(map_location: Any) -> None:
     try:
         device = torch.device(map_location)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"map_location {map_location!r} is not a torch device: {exc}") from None
+        raise OptionError(f"map_location {map_location!r} is not a torch device: {exc}") from None
     if device.type == "meta":
-        raise ValueError("map_location='meta' would load no data; use a real device or None")
+        raise OptionError("map_location='meta' would load no data; use a real device or None")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"map_location={map_location!r} but CUDA is not available on this machine")
+        raise OptionError(f"map_location={map_location!r} but CUDA is not available on this machine")
 
 
 def _plan(model: Any, optimizer: Any, scheduler: Any, *, model_only: bool, step: int, max_shard_size: Any,
@@ -105,6 +114,8 @@ def save_to(storage: Storage, model: Any, optimizer: Any, scheduler: Any, *, mod
     """:func:`fastckpt.save_state` after ``resolve``, for every backend: plan, begin, write and commit (by the
     writer of the ``async_save`` mode, :mod:`fastckpt._io.async_save.modes`), then rotate; returns
     ``save.returned(...)`` of that (the folder or URL, an ``AsyncSave``, a tiered save's ``TieredSave``)."""
+    _check_flags(model_only=model_only, durable=durable, trainable_only=trainable_only,
+                 share_unchanged=share_unchanged)
     check_mode(async_save)
     _check_save_args(model, threads, step, total_limit)
     timeout = check_timeout(timeout)

@@ -26,6 +26,7 @@ from fastckpt._io.storage.local.folder import RETRIES, pinned
 from fastckpt._plan.dict_load import read_dict_checkpoint
 from fastckpt._plan.dict_save import build_dict_plan
 from fastckpt._plan.load import check_input_dir
+from fastckpt.checkpoint_impl import _check_common, _check_flags
 from fastckpt.errors import CheckpointChangedError
 
 __all__ = ["save", "load"]
@@ -83,9 +84,9 @@ def save(
         >>> state = fastckpt.load("ckpt")
         >>> optimizer.load_state_dict(state["optimizer"])
     """
+    _check_flags(trust_pickle=trust_pickle, durable=durable)
     check_mode(async_save)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
+    _check_common(threads)
     opts = [] if optimizers is None else list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     for i, opt in enumerate(opts):
         if not hasattr(opt, "param_groups") or not hasattr(opt, "register_step_pre_hook"):
@@ -136,6 +137,8 @@ def load(
             ``map_location``), or a bad ``map_location``.
         CheckpointChangedError: other saves replaced the folder while it was read, 5 times in a row.
     """
+    _check_flags(trust_pickle=trust_pickle, verify=verify)
+    _check_common(threads)
     check_location(path, "path")
     _check_map_location(map_location)
     folder = check_input_dir(Path(path))

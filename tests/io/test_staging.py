@@ -110,3 +110,27 @@ def test_unwritable_output_dir_names_the_folder_given(tmp_path):
             assert given in str(exc) and ".lock" not in str(exc) and "staging" not in str(exc), exc
         else:
             raise AssertionError(f"save_state to {given} did not raise {kind.__name__}")
+
+
+def test_an_in_place_save_into_a_folder_that_takes_no_files_names_the_folder(tmp_path, monkeypatch):
+    """An in-place save (a mount point's folder) into a read-only or full file system: the builtin OSError of the
+    errno, naming the folder saved into; it named fastckpt's hidden ``.fastckpt.lock`` file."""
+    import errno
+
+    from fastckpt._io.storage.local import in_place
+
+    real_open = os.open
+
+    def refuse(path, *args, **kwargs):
+        if os.fspath(path).endswith(in_place.LOCK_NAME):
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(in_place.os, "open", refuse)
+    try:
+        in_place._lock(tmp_path)
+    except OSError as exc:
+        assert exc.errno == errno.EROFS and exc.filename == str(tmp_path), exc
+        assert str(tmp_path) in str(exc) and ".lock" not in str(exc), exc
+    else:
+        raise AssertionError("the lock of a read-only folder was taken")

@@ -149,3 +149,22 @@ def test_a_caught_preempted_keeps_the_handler_until_release_kept_or_a_new_manage
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[0, 1, 1, 2]"
+
+
+def test_a_kept_handler_ignores_the_signals_while_the_interpreter_finalizes(tmp_path):
+    """After a Preempted, an ``atexit`` function set the kept signals to SIG_IGN: Python's finalization puts SIG_DFL
+    back in place of every Python handler after the atexit functions ran, and a SIGTERM repeated by the scheduler in
+    that window ended a saved job with status 143. The child's own atexit function (registered first, so run after
+    fastckpt's) sees SIG_IGN and sends itself SIGTERM; the process still exits with the Preempted code (0)."""
+    proc = child(tmp_path, """
+        import atexit
+        def last():
+            print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        atexit.register(last)
+        mgr = make("a")
+        mgr.request_preemption()
+        mgr.step(1)
+    """)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert proc.stdout.strip().splitlines()[-1] == "True"

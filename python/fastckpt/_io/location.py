@@ -19,6 +19,8 @@ import re
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from fastckpt.errors import OptionTypeError
+
 __all__ = ["LOCAL", "check_location", "url_scheme"]
 
 #: a URL's scheme as RFC 3986 spells it, followed by ``://``
@@ -56,11 +58,15 @@ def check_location(path: Any, what: str, *, supported: tuple[str, ...] = ()) -> 
         The URL's scheme (one of ``supported``), or None for a local path.
 
     Raises:
+        OptionTypeError: ``path`` is no ``str``, ``bytes`` or ``os.PathLike`` (names ``what`` and the type).
         ValueError: ``path`` is a URL of another scheme; the message names the scheme and what is supported
             (for ``file://``, the local path to pass instead).
     """
     if path is None:
         return None
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise OptionTypeError(f"{what} must be a path (str or os.PathLike) or a URL, got {type(path).__name__} "
+                              f"{path!r}")
     scheme = url_scheme(path)
     if scheme is None or scheme in supported:
         return scheme

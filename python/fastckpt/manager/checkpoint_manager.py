@@ -322,8 +322,8 @@ class CheckpointManager(Ending):
         signum = self.signals.signum or signal.SIGTERM
         self.signals.keep_until_exit()
         self.preempt_seconds = time.monotonic() - (self.signals.at or time.monotonic())
-        logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
-                       signum, step, path, self.preempt_seconds)
+        logger.warning("CheckpointManager: %s: step %d durable at %s %.3f s after the signal; exiting",
+                       self._cause(), step, path, self.preempt_seconds)
         self.close(clear_memory=False)
         raise Preempted(self.exit_code, step=step, signum=signum, path=Path(path))
 
@@ -362,6 +362,11 @@ class CheckpointManager(Ending):
     def _save_memory(self, plan: Any, step: int) -> Path | None:  # also sharded.save_step's
         return save_memory(self, plan, step)
 
+    def _cause(self) -> str:
+        """What asked for the preemption save, for the log: this process's signal, or another process's."""
+        signum = self.signals.signum
+        return "a preemption another process asked for" if signum is None else f"signal {signum}"
+
     def _preempt(self, step: int) -> Preempted:
         self.signals.keep_until_exit()  # a second signal, now or while the process exits, changes nothing
         signum = self.signals.signum or signal.SIGTERM
@@ -382,8 +387,8 @@ class CheckpointManager(Ending):
         if self.replicator is not None:
             self.replicator.wait()
         self.preempt_seconds = time.monotonic() - at
-        logger.warning("CheckpointManager: signal %d: step %d durable at %s %.3f s after the signal; exiting",
-                       signum, step, path, self.preempt_seconds)
+        logger.warning("CheckpointManager: %s: step %d durable at %s %.3f s after the signal; exiting",
+                       self._cause(), step, path, self.preempt_seconds)
         self.close(clear_memory=False)
         return Preempted(self.exit_code, step=step, signum=signum, path=path)
 

@@ -19,6 +19,7 @@ May import: every private layer (layer 5, public package).
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -90,9 +91,13 @@ class SignalRecorder:
         process exits, whatever ends the manager (``close()``, garbage collection), so that a second signal while
         the process exits with the :class:`Preempted` code does not end it by the signal (:func:`release_kept`
         ends that, as does the next manager made)."""
+        global _exit_hook
         with _lock:
             self.kept = True
             _kept.append(self)
+            if not _exit_hook:
+                _exit_hook = True
+                atexit.register(_ignore_kept_at_exit)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -140,6 +145,22 @@ _lock = threading.RLock()
 _outer: dict[int, Any] = {}  # per signal: the handler found when the first recorder was installed
 _live: dict[int, list[weakref.ref[SignalRecorder]]] = {}  # per signal: the installed recorders, oldest first
 _kept: list[SignalRecorder] = []  # recorders of a preemption being handled: alive and installed until exit
+_exit_hook = False  # _ignore_kept_at_exit registered with atexit
+
+
+def _ignore_kept_at_exit() -> None:
+    """At exit, the kept signals are ignored (``SIG_IGN``) rather than recorded: the interpreter's finalization
+    puts ``SIG_DFL`` back in place of every Python handler after the ``atexit`` functions ran, so a SIGTERM in that
+    last window (torchrun, SLURM and Kubernetes repeat theirs) would end the process by the signal (status 143)
+    instead of the :class:`Preempted` code. An ignored handler is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _lock:
+        for s in {s for recorder in _kept for s in recorder.signals}:
+            try:
+                signal.signal(s, signal.SIG_IGN)
+            except (ValueError, OSError):
+                pass
 
 
 def release_kept() -> None:

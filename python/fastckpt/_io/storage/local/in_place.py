@@ -98,7 +98,12 @@ def _lock(target: Path) -> int:
     """Open and ``flock`` ``{target}/.fastckpt.lock`` (waits for another in-place save of the folder)."""
     path = target / LOCK_NAME
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:  # a read-only or full file system: name the folder the caller saves to, as the
+            # same builtin class and errno, not fastckpt's hidden lock file
+            raise type(exc)(exc.errno, f"cannot save into {target}: it does not take new files "
+                                       f"({exc.strerror or exc})", str(target)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not unlinked by the previous holder meanwhile
