@@ -37,7 +37,9 @@ def test_a_programs_frozen_objects_stay_frozen():
         frozen = gc.get_freeze_count()
         with gc_paused():
             _Node()
-        assert gc.get_freeze_count() == frozen
+        # not released by an unfreeze (0), not grown by a freeze of the block's objects; frozen objects that
+        # reference counting freed meanwhile (other threads of a long test run) may make it smaller
+        assert 0 < gc.get_freeze_count() <= frozen
         assert gc.isenabled()
     finally:
         gc.unfreeze()

@@ -126,7 +126,13 @@ def test_the_trainer_preemption_signals_are_a_typed_error():
 def test_a_constructor_failing_after_the_claim_leaves_nothing_behind(tmp_path, monkeypatch, where):
     """A failure after the memory tier was claimed (and the project id written, the handler installed) undoes it
     all: no owner file, no folder made, the previous signal handlers back (the owner file stayed in /dev/shm)."""
+    import gc
+
     from fastckpt.manager import preemption, starting
+
+    preemption.release_kept()  # another test's manager, unclosed, would still hold the handlers: it is collected
+    gc.collect()
+    assert signal.getsignal(signal.SIGUSR1) is not preemption._dispatch, "a manager of another test is still open"
 
     class Boom(Exception):
         pass
