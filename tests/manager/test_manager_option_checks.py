@@ -173,3 +173,11 @@ def test_a_constructor_failing_on_the_default_memory_tier_leaves_no_owner_file(t
     with pytest.raises(ZeroDivisionError):
         make(tmp_path, memory=True)
     assert not job.exists() and not (tmp_path / "proj").exists()
+
+
+def test_preemption_signals_given_as_a_string_name_the_string():
+    """``preemption_signals="TERM"`` named its first letter (``'T' is not a signal number``)."""
+    from fastckpt.manager.options import check_signals
+
+    with pytest.raises(OptionTypeError, match="must be a sequence of signal numbers .* got str 'TERM'"):
+        check_signals("TERM")

@@ -87,6 +87,9 @@ def check_signals(signals: Any) -> tuple[int, ...]:
         return ()
     if isinstance(signals, int):
         signals = (signals,)
+    if isinstance(signals, (str, bytes)):  # "TERM" is no sequence of signals: name it whole, not its letters
+        raise OptionTypeError(f"preemption_signals must be a sequence of signal numbers (signal.SIGTERM, ...), got "
+                              f"{type(signals).__name__} {signals!r}")
     try:
         items = tuple(signals)
     except TypeError:
