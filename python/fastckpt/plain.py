@@ -27,7 +27,7 @@ from fastckpt._plan.dict_load import read_dict_checkpoint
 from fastckpt._plan.dict_save import build_dict_plan
 from fastckpt._plan.load import check_input_dir
 from fastckpt.checkpoint_impl import _check_common, _check_flags
-from fastckpt.errors import CheckpointChangedError
+from fastckpt.errors import CheckpointChangedError, OptionError
 
 __all__ = ["save", "load"]
 
@@ -161,5 +161,5 @@ def _check_map_location(map_location: Any) -> None:
         try:
             torch.device(device)
         except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"map_location {map_location!r} is not a torch device (or a dict of them): {exc}") \
+            raise OptionError(f"map_location {map_location!r} is not a torch device (or a dict of them): {exc}") \
                 from None

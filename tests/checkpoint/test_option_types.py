@@ -71,4 +71,6 @@ def test_fastckpt_save_and_load_refuse_flags_that_are_not_bools(tmp_path):
         fastckpt.load(tmp_path / "d", verify="no")
     with pytest.raises(OptionError, match="threads"):
         fastckpt.load(tmp_path / "d", threads=-1)
+    with pytest.raises(OptionError, match="map_location"):
+        fastckpt.load(tmp_path / "d", map_location="nowhere")
     assert fastckpt.load(tmp_path / "d") == {"step": 1}
