@@ -7,7 +7,8 @@ Usage::
     python benches/run.py --large              # also the 4 GB and 8 GB states
     python benches/run.py --workloads gpt-256MB --rounds 2 --only "fastckpt,raw" --no-write
 
-Each round runs every contender once, in an order rotated by one each round, each after its untimed setup (fresh
+Each round runs every contender once, in an order rotated by one every two rounds and reversed every other round
+(so every pair runs in both orders), each after its untimed setup (fresh
 output folder, page cache dropped, or warmed for the warm loads). See benches/README.md for what is measured.
 """
 
@@ -98,7 +99,13 @@ def run_workload(name: str, root: pathlib.Path, rounds: int, only: list[str], lo
         shutil.rmtree(bench.out("warmup"), ignore_errors=True)
     failed: set[str] = set()
     for r in range(rounds):
-        order = chosen[r % len(chosen):] + chosen[: r % len(chosen)]
+        # Rotated by one every two rounds and reversed every other round, so that every two contenders run in
+        # both orders: a load that follows another reading the same file (or one just written) may find it in a
+        # cache below the page cache (a VM host's), which a fixed order would hand to the same contender always.
+        k = (r // 2) % len(chosen)
+        order = chosen[k:] + chosen[:k]
+        if r % 2:
+            order.reverse()
         for c in order:
             if c.label in failed:
                 continue
