@@ -213,8 +213,8 @@ def _save_contenders() -> list[Contender]:
 
 
 def _load_contenders() -> list[Contender]:
-    def raw(b: Bench) -> Timing:
-        return raw_read(b.sources["raw"], b.scratch)
+    def raw(b: Bench) -> Timing:  # the very files fastckpt's loads read (see raw_read)
+        return raw_read(b.sources["fastckpt"], b.scratch)
 
     def fast_existing(b: Bench) -> Timing:
         return timed(lambda: fastckpt.load_state(*b.target.objects, input_dir=b.sources["fastckpt"]))
@@ -262,7 +262,7 @@ def _load_contenders() -> list[Contender]:
     out: list[Contender] = []
     for kind in ("cold", "warm"):
         out += [
-            Contender("raw read", "load", raw, cache=kind, setup=_cache(kind, "raw")),
+            Contender("raw read", "load", raw, cache=kind, setup=_cache(kind, "fastckpt")),
             Contender("fastckpt load_state existing", "load", fast_existing, cache=kind,
                       setup=_cache(kind, "fastckpt")),
             Contender("accelerate load_state", "load", accelerate_load, cache=kind, setup=_cache(kind, "accelerate")),
@@ -290,7 +290,7 @@ def contenders(workload: Workload) -> list[Contender]:
 
 def prepare_sources(b: Bench) -> None:
     """Write the checkpoints the loads read (one per format; safetensors and torch.save only for workloads with
-    ``peers``) and the raw baseline's file, durably."""
+    ``peers``), durably; the raw read baseline reads fastckpt's."""
     from safetensors.torch import save_file
 
     src = b.root / "src"
@@ -313,6 +313,4 @@ def prepare_sources(b: Bench) -> None:
         from benches._peers import prepare_peer_sources
 
         prepare_peer_sources(b)
-    b.sources["raw"] = src / "raw.bin"
-    raw_write(state_tensors(b.state), b.sources["raw"])
     fsync_tree(src)
