@@ -216,6 +216,16 @@ def raw_write(tensors: list[torch.Tensor], path: pathlib.Path) -> Timing:
     return timed(lambda: write(), sync)
 
 
+def round_order(items: list, r: int) -> list:
+    """The order of round ``r`` (from 0): rotated by one every two rounds and reversed every other round, so that
+    every two contenders run in both orders. A load that follows another reading the same file (or one just
+    written) may find it in a cache below the page cache (a VM host's); a fixed order would hand that to the same
+    contender every round."""
+    k = (r // 2) % max(1, len(items))
+    order = list(items[k:]) + list(items[:k])
+    return order[::-1] if r % 2 else order
+
+
 def raw_read(paths: pathlib.Path | list[pathlib.Path], into: torch.Tensor) -> Timing:
     """The physical limit of reading: each of ``paths`` (a file, or the files of a checkpoint folder, in name
     order) read sequentially by one thread with ``readinto`` calls of :data:`RAW_CHUNK` bytes into ``into`` (a

@@ -1,7 +1,7 @@
 """What ``save_state(..., async_save=...)`` costs at the call, against a memcpy of the state, by mode.
 
 The issue's model: 8 ``nn.Linear(2048, 2048)`` and its AdamW after one step (a 403 MB state: 134 MB of
-parameters, twice that of Adam moments). Per round, alternated (order rotated by one each round): ``memcpy``
+parameters, twice that of Adam moments). Per round, alternated (benches._measure.round_order: every pair in both orders): ``memcpy``
 (every tensor of the state copied once into preallocated memory, as a snapshot does), and the call of each mode
 (``True``: write guards where the kernel allows them, see ``fastckpt._io.async_save.write_guard``; ``True`` with the
 guards off: every streamed tensor hashed at the call, the fallback; ``"stream"``: neither; ``"snapshot"``: a copy
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastckpt  # noqa: E402
-from benches._measure import machine_description  # noqa: E402
+from benches._measure import machine_description, round_order  # noqa: E402
 from fastckpt._io.async_save import write_guard  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     names = list(contenders)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in round_order(names, r):
             seconds[n].append(contenders[n]())
     print(f"state: {nbytes / 1e6:.0f} MB; {args.rounds} rounds; {machine_description(root)}")
     print("| contender | call s (median) | x memcpy (median of per-round ratios) |")

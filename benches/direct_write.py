@@ -67,7 +67,7 @@ def main() -> None:
     import torch
 
     import fastckpt
-    from benches._measure import machine_description
+    from benches._measure import machine_description, round_order
     from fastckpt.demo.gpt2 import GPT, PRESETS
 
     torch.manual_seed(0)
@@ -91,8 +91,7 @@ def main() -> None:
         full_bytes = None
         for r in range(args.rounds):
             rates: dict[str, float] = {}
-            order = list(rows)
-            for name in order[r % 3:] + order[: r % 3]:
+            for name in round_order(list(rows), r):
                 out = root / "out"
                 if name.startswith("O_DIRECT"):
                     n = full_bytes or 1 << 30

@@ -7,7 +7,7 @@ Usage::
     python benches/load_bench.py                         # tensor-1GB, gpt-1GB, llama-1.2GB; 7 rounds
     python benches/load_bench.py --workloads gpt-256MB --rounds 3
 
-Contenders per round (order rotated by one each round; cold = ``posix_fadvise(DONTNEED)`` on the files first,
+Contenders per round (in benches._measure.round_order: every pair in both orders; cold = ``posix_fadvise(DONTNEED)`` on the files first,
 warm = the files read once first):
 
 - ``raw read`` (cold): the checkpoint's own files read sequentially by one thread with 64 MiB ``readinto`` calls
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import fastckpt  # noqa: E402
 import fastckpt.dcp  # noqa: E402
 from benches._contenders import Bench, _accelerator  # noqa: E402
-from benches._measure import RAW_CHUNK, drop_caches, fsync_tree, warm_cache  # noqa: E402
+from benches._measure import RAW_CHUNK, drop_caches, fsync_tree, round_order, warm_cache  # noqa: E402
 from benches._workloads import WORKLOADS, build_state, model_bytes, state_bytes, state_tensors  # noqa: E402
 from benches.disk_probe import describe, probe  # noqa: E402
 
@@ -128,7 +128,7 @@ def run_workload(name: str, root: pathlib.Path, rounds: int) -> dict[str, list[f
     chosen = _contenders(b, extra)
     times: dict[str, list[float]] = {}
     for r in range(rounds):
-        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+        order = round_order(chosen, r)
         for cname, cache, source, call in order:
             if cname == "fastckpt fresh":
                 b.extras["fresh"] = build_state(b.workload, seed=3, stepped=False)

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benches._contenders import Bench, Contender, contenders, prepare_sources  # noqa: E402
-from benches._measure import machine_description  # noqa: E402
+from benches._measure import machine_description, round_order  # noqa: E402
 from benches._peers import peer_table  # noqa: E402
 from benches._report import Row, round_table, summarize, table, targets  # noqa: E402
 from benches._workloads import (  # noqa: E402
@@ -99,14 +99,7 @@ def run_workload(name: str, root: pathlib.Path, rounds: int, only: list[str], lo
         shutil.rmtree(bench.out("warmup"), ignore_errors=True)
     failed: set[str] = set()
     for r in range(rounds):
-        # Rotated by one every two rounds and reversed every other round, so that every two contenders run in
-        # both orders: a load that follows another reading the same file (or one just written) may find it in a
-        # cache below the page cache (a VM host's), which a fixed order would hand to the same contender always.
-        k = (r // 2) % len(chosen)
-        order = chosen[k:] + chosen[:k]
-        if r % 2:
-            order.reverse()
-        for c in order:
+        for c in round_order(chosen, r):
             if c.label in failed:
                 continue
             try:

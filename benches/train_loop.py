@@ -1,7 +1,7 @@
 """The training loop's overhead of checkpointing, end to end: what a user feels.
 
 GPT-2 small (``fastckpt.demo.gpt2``, 124 M parameters, AdamW: a 1.5 GB state) trains on CPU; every ``K`` steps the
-state is checkpointed. Contenders, alternated each round (order rotated by one): no checkpoint (the baseline),
+state is checkpointed. Contenders, alternated each round (benches._measure.round_order: every pair in both orders): no checkpoint (the baseline),
 fastckpt sync, fastckpt async (``async_save=True``: streaming, hashed at the call), ``Accelerator.save_state``
 and DCP ``async_save``.
 Each loop runs ``(C + 1) * K`` steps with ``C`` checkpoints and ends by waiting for the last save, so the time of a
@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import fastckpt  # noqa: E402
-from benches._measure import PeakRss, machine_description  # noqa: E402
+from benches._measure import PeakRss, machine_description, round_order  # noqa: E402
 from fastckpt.demo.gpt2 import GPT, PRESETS  # noqa: E402
 
 SEQ = 64
@@ -164,7 +164,7 @@ def run(rounds: int, every: int, checkpoints: int, preset: str = "small") -> tup
     try:
         for r in range(rounds):
             results: dict[str, dict[str, float]] = {}
-            order = loops[r % len(loops):] + loops[: r % len(loops)]
+            order = round_order(loops, r)
             memcpy = _memcpy_seconds(model, opt, scratch)
             for loop in order:
                 results[loop.name] = _run_loop(loop, model, opt, every, checkpoints, seed=100 + r)
