@@ -3,8 +3,10 @@
 Every error fastckpt raises on purpose derives from :class:`CheckpointError` *and* from the builtin a caller
 would already catch for that kind of failure (the convention of orjson and polars): a malformed file is a
 ``ValueError``, a missing part of a checkpoint is a ``FileNotFoundError``, a missing or unexpected tensor name is
-a ``KeyError``, a dtype that cannot be stored or loaded is a ``TypeError``. Plain I/O failures (disk full,
-permission denied) stay the builtin ``OSError`` subclasses.
+a ``KeyError``, a dtype that cannot be stored or loaded is a ``TypeError``. A save destination that takes no files
+is a :class:`DestinationNotWritableError`, which is also the builtin ``OSError`` subclass of its errno
+(``PermissionError``, ``FileNotFoundError``...); other plain I/O failures (a disk filling up mid-write) stay the
+builtin ``OSError`` subclasses.
 
 The Rust core (``fastckpt._core``) raises these same classes: its one error enum is mapped onto them in the
 bindings, so a caller never sees a Rust-only exception type.
@@ -36,6 +38,7 @@ __all__ = [
     "OptionError",
     "OptionTypeError",
     "DurableSaveError",
+    "DestinationNotWritableError",
     "TierSkippedWarning",
     "MemoryTierFullWarning",
     "ResumeWarning",
@@ -156,6 +159,43 @@ class DurableSaveError(CheckpointError, OSError):
     the previous durable checkpoint is still the latest. Raised on every process at its next
     ``CheckpointManager.step()`` or ``close()``; the message names the step, the folder and the original error
     (its ``__cause__`` on the process that made the copy)."""
+
+
+class DestinationNotWritableError(CheckpointError, OSError):
+    """A save's destination takes no new files: its folder (or a folder above it) cannot be made, is read-only, on a
+    file system that takes no files (``/proc``, ``/sys``), full, or this process may not write it. Raised before the
+    save writes its first byte, at the call, by synchronous and asynchronous saves alike; nothing is left behind and
+    a previous checkpoint there is intact. The message names the folder the caller gave and the reason; ``errno``,
+    ``strerror`` and ``filename`` are set as the OSError's.
+
+    Raised as an instance of the builtin ``OSError`` subclass of its errno too (:meth:`of`), so ``except
+    PermissionError`` / ``except FileNotFoundError`` / ``except OSError`` still catch it."""
+
+    @staticmethod
+    def of(code: int | None, message: str, filename: str) -> DestinationNotWritableError:
+        """The error for ``code`` (an errno): an instance of this class and of the builtin ``OSError`` subclass
+        Python gives that errno (``EACCES``: ``PermissionError``; ``ENOENT``: ``FileNotFoundError``; ``EROFS``:
+        plain ``OSError``)."""
+        builtin = type(OSError(code, "")) if code is not None else OSError
+        return _with_builtin(builtin)(code, message, filename)
+
+    def __reduce__(self) -> tuple[object, ...]:  # the per-errno classes are made on demand: pickle by errno
+        return _rebuild, (self.errno, self.strerror, self.filename)
+
+
+_BY_BUILTIN: dict[type, type] = {OSError: DestinationNotWritableError}
+
+
+def _with_builtin(builtin: type) -> type:
+    if builtin not in _BY_BUILTIN:
+        _BY_BUILTIN[builtin] = type("DestinationNotWritableError", (DestinationNotWritableError, builtin),
+                                    {"__module__": __name__, "__doc__": DestinationNotWritableError.__doc__})
+    return _BY_BUILTIN[builtin]
+
+
+def _rebuild(code: int | None, message: str, filename: str) -> DestinationNotWritableError:
+    return DestinationNotWritableError.of(code, message, filename)
+
 
 
 class TierSkippedWarning(UserWarning):

@@ -21,7 +21,7 @@ import torch
 from fastckpt._io.async_save.modes import check_mode, writer_for
 from fastckpt._io.async_save.writer import AsyncSave, WriteTo, finish_pending, wait_for_saves_to
 from fastckpt._io.location import check_location
-from fastckpt._io.storage.local.commit import check_target, write_checkpoint
+from fastckpt._io.storage.local.commit import check_target, claim_target, write_checkpoint
 from fastckpt._io.storage.local.folder import RETRIES, pinned
 from fastckpt._plan.dict_load import read_dict_checkpoint
 from fastckpt._plan.dict_save import build_dict_plan
@@ -77,6 +77,9 @@ def save(
         DtypeError / MetaTensorError / ValueError: a tensor the format cannot hold (names it).
         ValueError: a bad ``async_save`` or ``threads``, or a URL (``s3://``, ``gs://``, ``file://``, ...): only
             local folders. NotADirectoryError: ``path`` is a file.
+        DestinationNotWritableError: ``path``'s folder cannot be made or takes no new files (read-only, no
+            permission, ``/proc``): raised at the call in every ``async_save`` mode, before anything is written,
+            naming ``path``; also the builtin OSError subclass of its errno (``PermissionError``...).
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact.
 
     Example:
@@ -99,7 +102,8 @@ def save(
     # the writers of save_state's modes (fastckpt._io.async_save.modes); without optimizers an async save is a snapshot
     writer = writer_for(async_save if opts or not async_save else "snapshot", optimizers=opts,
                         budget=host_memory_budget)
-    return writer.write(plan, WriteTo(target.absolute() if async_save else target, write))
+    # an async save claims the folder at the call (claim_target), as the synchronous write does before its first byte
+    return writer.write(plan, WriteTo(target.absolute() if async_save else target, write, claim=claim_target))
 
 
 def load(

@@ -19,7 +19,7 @@ from typing import Any
 from fastckpt._io.async_save.modes import start_async
 from fastckpt._io.async_save.writer import AsyncSave, default_saver, finish_pending
 from fastckpt._io.group.distributed import broadcast_outcome, describe, is_distributed, side_group
-from fastckpt._io.storage.local.commit import write_checkpoint
+from fastckpt._io.storage.local.commit import claim_target, write_checkpoint
 from fastckpt.errors import CheckpointError
 
 __all__ = ["save_async"]
@@ -75,7 +75,8 @@ def save_async(build: Callable[[], Any], rotate: Callable[[], None], target: Pat
     try:
         finish_pending(wait=mode != "snapshot")
         plan = build()
-        return start_async(plan, optimizers, target, mode, write=write, budget=budget)
+        # the folder is claimed at the call (claim_target): one that takes no files fails here, as a sync save does
+        return start_async(plan, optimizers, target, mode, write=write, budget=budget, claim=claim_target)
     except BaseException as exc:  # nothing was started: tell the other processes, whose handles wait
         broadcast_outcome(describe(exc), group)
         raise

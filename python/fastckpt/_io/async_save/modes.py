@@ -164,12 +164,15 @@ def writer_for(async_save: bool | str, *, optimizers: Sequence[Any] = (), budget
 
 
 def start_async(plan: SavePlan, optimizers: list[Any], target: Any, mode: bool | str, *,
-                write: Callable[..., Any], budget: int | str | None = None) -> Any:
+                write: Callable[..., Any], budget: int | str | None = None,
+                claim: Callable[[Any], Any] | None = None) -> Any:
     """The async save of ``plan`` in ``mode`` (``True``, ``"stream"`` or ``"snapshot"``) to ``target`` (an absolute
     folder) that ``write(plan, target, **options)`` commits, for callers that commit their own way (``fastckpt.save``,
-    the accelerate saves); returns its :class:`~fastckpt._io.async_save.writer.AsyncSave`.
+    the accelerate saves); returns its :class:`~fastckpt._io.async_save.writer.AsyncSave`. ``claim(target)``: claims
+    the target at the call (:class:`~fastckpt._io.async_save.writer.WriteTo`; ``write`` then gets ``claim=``).
 
     Raises:
+        DestinationNotWritableError: what ``claim`` raises (a folder that takes no files), before anything is copied.
         ValueError: a budget ``True`` cannot keep on CUDA; what the chosen writer raises before copying.
     """
-    return writer_for(mode, optimizers=optimizers, budget=budget).write(plan, WriteTo(target, write))
+    return writer_for(mode, optimizers=optimizers, budget=budget).write(plan, WriteTo(target, write, claim))

@@ -358,17 +358,24 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: 
             (:mod:`fastckpt._io.async_save.call_hashes`).
 
     Raises:
+        DestinationNotWritableError / NotADirectoryError / ValueError: what the synchronous save refuses before its
+            first byte (``save.claim()``): raised at the call, nothing left behind.
         ValueError / DtypeError: a tensor the format cannot hold (before anything is copied).
     """
     import time
 
-    from fastckpt._io.async_save.writer import committed_path, default_saver
+    from fastckpt._io.async_save.writer import claim_at_call, committed_path, default_saver
 
     saver = default_saver()
     if auto_named:
         saver.reserve(save)
     start = time.perf_counter()
-    stream = StreamingSave(plan, optimizers, save.target, saver.pool, budget, hash_at_call=hash_at_call)
+    claim_at_call(save)
+    try:
+        stream = StreamingSave(plan, optimizers, save.target, saver.pool, budget, hash_at_call=hash_at_call)
+    except BaseException:
+        save.abort()
+        raise
     blocked = time.perf_counter() - start
 
     token = CancelToken(save.target)
@@ -380,6 +387,7 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: 
                            **stream.write_kwargs())
                 committed = save.commit()
             except BaseException as exc:
+                save.abort()  # releases the claim when the commit never ran (idempotent)
                 stream.raise_failure(exc)
             if after is not None:
                 after()
@@ -391,4 +399,5 @@ def submit_stream(plan: SavePlan, optimizers: list[Any], save: Any, *, options: 
         return saver.start(save.target, run, blocking_seconds=blocked, stream=stream, token=token)
     except BaseException:
         stream.close()
+        save.abort()
         raise

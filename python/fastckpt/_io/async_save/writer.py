@@ -37,7 +37,7 @@ from fastckpt._io.async_save.snapshot import Snapshot, snapshot_plan
 from fastckpt._io.files import SavePlan
 from fastckpt._io.storage.base import Committed
 
-__all__ = ["AsyncSave", "AsyncSaver", "WriteTo", "committed_path", "default_saver", "finish_pending", "release_buffers", "submit",
+__all__ = ["AsyncSave", "AsyncSaver", "WriteTo", "claim_at_call", "committed_path", "default_saver", "finish_pending", "release_buffers", "submit",
            "wait_for_saves_to"]
 
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -275,12 +275,19 @@ class AsyncSaver:
             The handle; the slot is given back to the pool when the write ends, successfully or not.
 
         Raises:
+            DestinationNotWritableError / NotADirectoryError / ValueError: what the synchronous save refuses before
+                its first byte (``save.claim()``, :func:`claim_at_call`): raised here, nothing left behind.
             Exception: an unreported failure of an earlier save (checked once a pool slot is free, before this
                 save copies anything; this save is then not made).
             ValueError / DtypeError: a tensor the format cannot hold (raised before anything is copied).
         """
         start = time.perf_counter()
-        snapshot = snapshot_plan(plan, self.pool, on_slot=self.raise_failed)
+        claim_at_call(save)
+        try:
+            snapshot = snapshot_plan(plan, self.pool, on_slot=self.raise_failed)
+        except BaseException:
+            save.abort()
+            raise
         blocked = time.perf_counter() - start
         token = CancelToken(save.target)
 
@@ -296,6 +303,9 @@ class AsyncSaver:
                 if after is not None:
                     after()
                 return committed_path(save, committed)
+            except BaseException:
+                save.abort()  # releases the claim when the commit never ran (idempotent)
+                raise
             finally:
                 self.pool.release(snapshot.slot)
 
@@ -305,6 +315,7 @@ class AsyncSaver:
             self._executor.submit(self._then_idle(run, outcome))
         except BaseException:
             self.pool.release(snapshot.slot)
+            save.abort()
             raise
         handle = AsyncSave(save.target, outcome, snapshot, blocked, token=token)
         with self._lock:
@@ -315,13 +326,22 @@ class AsyncSaver:
 class WriteTo:
     """A :class:`~fastckpt._io.storage.base.StagedSave` over a write function, for callers that commit their own
     way (``fastckpt.save``, the accelerate and manager saves): :meth:`commit` calls ``write(plan, target,
-    **options)``."""
+    **options)``. With ``claim`` (e.g. :func:`~fastckpt._io.storage.local.commit.claim_target`), :meth:`claim`
+    claims the target at an async save's call and :meth:`commit` passes the claim on as ``write(...,
+    claim=...)``; :meth:`abort` releases it (``.release()``)."""
 
     number = None
 
-    def __init__(self, target: Path | str, write: Callable[..., Any]) -> None:
+    def __init__(self, target: Path | str, write: Callable[..., Any],
+                 claim: Callable[[Any], Any] | None = None) -> None:
         self.target, self.location, self._write = target, str(target), write
         self._plan: tuple[Any, dict[str, Any]] | None = None
+        self._claim_with, self._claim = claim, None
+
+    def claim(self) -> None:
+        """Claim the target now (see the class docs); idempotent, a no-op without ``claim``."""
+        if self._claim_with is not None and self._claim is None:
+            self._claim = self._claim_with(self.target)
 
     def write(self, plan: Any, **options: Any) -> None:
         self._plan = (plan, options)
@@ -329,11 +349,26 @@ class WriteTo:
     def commit(self) -> Committed:
         assert self._plan is not None
         plan, options = self._plan
-        result = self._write(plan, self.target, **options)
+        claim, self._claim = self._claim, None
+        result = self._write(plan, self.target, **options, **({} if claim is None else {"claim": claim}))
         return Committed(str(result if isinstance(result, (Path, str)) else self.target), None)
 
     def abort(self) -> None:
         self._plan = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+
+def claim_at_call(save: Any) -> None:
+    """Claim an async save's destination at its call, as the synchronous save does before its first byte
+    (``save.claim()``: a local folder's parent folders and staging folder, :func:`~fastckpt._io.storage.local.
+    commit.claim_target`), so a destination that takes no files fails the call with the synchronous save's error
+    and nothing is started; a staged save without ``claim`` (``s3://``: checked by the upload) claims nothing.
+    ``save.abort()`` releases the claim."""
+    claim = getattr(save, "claim", None)
+    if claim is not None:
+        claim()
 
 
 def committed_path(save: Any, committed: Committed) -> Path | str:

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastckpt._format.json_input import load_json
 from fastckpt._io.storage.base import CheckpointView, Committed
-from fastckpt._io.storage.local.commit import check_target, write_checkpoint
+from fastckpt._io.storage.local.commit import Claim, check_target, claim_target, write_checkpoint
 from fastckpt._io.storage.local.folder import pinned
 from fastckpt._io.storage.local.layout import CHECKPOINTS_DIR, MANIFEST, is_committed, peek_manifest
 from fastckpt._io.storage.local.numbering import (
@@ -72,6 +72,18 @@ class LocalStagedSave:
         self._storage = storage
         self._write: tuple[Any, dict[str, Any]] | None = None
         self._after_commit: Callable[[Path], Any] | None = None
+        self._claim: Claim | None = None
+
+    def claim(self) -> None:
+        """Claim the target now, as the commit does before its first byte (:func:`.commit.claim_target`: parent
+        folders, staging folder): an async save's call, so a folder that takes no files fails there. Idempotent;
+        :meth:`commit` writes into what was claimed, :meth:`abort` releases it.
+
+        Raises:
+            DestinationNotWritableError: the target's folder takes no new files (nothing is left behind).
+        """
+        if self._claim is None:
+            self._claim = claim_target(self.target)
 
     def share(self, link: Callable[[Path | None], Any], after_commit: Callable[[Path], Any]) -> None:
         """``share_unchanged``: ``link(previous)`` marks the files of the plan equal to the storage's
@@ -83,7 +95,7 @@ class LocalStagedSave:
 
     def renumber(self, number: int) -> None:
         """Save to ``checkpoint_{number}`` instead (an automatic name above the async saves still in flight)."""
-        assert self.number is not None
+        assert self.number is not None and self._claim is None, "renumbered after its claim"
         self.target = self.target.with_name(f"checkpoint_{number}")
         self.location, self.number = str(self.target), number
 
@@ -102,15 +114,19 @@ class LocalStagedSave:
         if self._write is None:
             raise ValueError(f"{self.target}: nothing was written to commit")
         plan, options = self._write
-        write_checkpoint(plan, self.target, **options)
+        claim, self._claim = self._claim, None
+        write_checkpoint(plan, self.target, claim=claim, **options)
         self._write = None
         if self._after_commit is not None:
             self._after_commit(self.target)
         return _committed(self.target, self.number)
 
     def abort(self) -> None:
-        """Drop the plan (nothing was staged on disk: the write happens inside :meth:`commit`)."""
+        """Drop the plan and release a claim (its staging folder; the write happens inside :meth:`commit`)."""
         self._write = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
 
 class LocalStorage:

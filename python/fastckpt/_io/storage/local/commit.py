@@ -26,6 +26,7 @@ import os
 import secrets
 import shutil
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from fastckpt import _core
 from fastckpt._format.tensors import tensor_sources
 from fastckpt._io.files import SavePlan
 from fastckpt._io.log import log_save
-from fastckpt._io.storage.local.in_place import commit_in_place, in_place_reason
+from fastckpt._io.storage.local.in_place import check_in_place, commit_in_place, in_place_reason
 from fastckpt._io.storage.local.integrity import digest_entry, text_entry
 from fastckpt._io.storage.local.layout import (
     DICT_PICKLE,
@@ -45,8 +46,9 @@ from fastckpt._io.storage.local.layout import (
     manifest_dict,
 )
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers, remember_scanned
+from fastckpt.errors import DestinationNotWritableError
 
-__all__ = ["check_target", "write_checkpoint", "write_files", "write_text", "fsync_dir", "foreign_entries"]
+__all__ = ["Claim", "check_target", "claim_target", "write_checkpoint", "write_files", "write_text", "fsync_dir", "foreign_entries"]
 
 #: A target holding this many entries of the user's is committed in place instead of carrying them all over.
 FOREIGN_LIMIT = 256
@@ -249,8 +251,76 @@ def write_files(plan: SavePlan, folder: Path, *, save_id: str, durable: bool, th
     return files
 
 
+class Claim:
+    """A save's destination, claimed before its first byte (:func:`claim_target`): its parent folders exist, the
+    commit is decided (beside the target, or in place and why) and, beside it, the owned staging folder is made. A
+    synchronous save claims and writes at once; an async save claims at the call and writes on the writer thread,
+    so a destination that takes no files fails the call itself. :meth:`release` removes the staging folder and its
+    lock (idempotent); :func:`write_checkpoint` releases it when done."""
+
+    def __init__(self, target: Path, reason: str | None, owner: OwnedPath | None) -> None:
+        self.target, self.reason, self._owner = target, reason, owner
+
+    @property
+    def staging(self) -> Path | None:
+        """The staging folder beside the target (None for an in-place commit)."""
+        return None if self._owner is None else self._owner.path
+
+    def release(self) -> None:
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
+
+
+def _make_parent(target: Path) -> None:
+    """Make the folders above ``target``, naming ``target`` and the reason when that fails."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else target.parent
+        raise DestinationNotWritableError.of(
+            exc.errno, f"cannot write {target}: its folder {target.parent} cannot be made ({where}: "
+                       f"{exc.strerror or exc})", str(target)) from None
+
+
+def claim_target(target: str | os.PathLike[str]) -> Claim:
+    """Claim the folder ``target`` a save will replace, doing everything a save does before its first byte (a few
+    syscalls, no tensor data): :func:`check_target`, the parent folders made, leftovers of dead saves beside it
+    removed, the commit decided (:func:`.in_place.in_place_reason`, or 256 files of the user's) and its staging
+    folder made (an in-place commit: its lock file checked, not taken).
+
+    Raises:
+        ValueError / NotADirectoryError: what :func:`check_target` refuses.
+        DestinationNotWritableError: the parent folder cannot be made, or takes no new files (read-only, full, no
+            permission, ``/proc``): names ``target`` and the reason; also the builtin OSError subclass of its errno.
+            Nothing is left behind.
+    """
+    target = check_target(target)
+    _make_parent(target)
+    reason = in_place_reason(target)
+    if reason is None and target.is_dir() and foreign_entries(target) is None:
+        reason = f"it holds {FOREIGN_LIMIT} or more files of its own"
+    if reason is not None:
+        check_in_place(target)
+        return Claim(target, reason, None)
+    clean_leftovers(target.parent)
+    owner = OwnedPath(target.parent, target.name)
+    try:
+        owner.path.mkdir()
+    except OSError as exc:
+        owner.release()
+        raise DestinationNotWritableError.of(exc.errno, f"cannot write {target}: its staging folder cannot be made "
+                                                        f"in {target.parent} ({exc.strerror or exc})",
+                                             str(target)) from None
+    except BaseException:
+        owner.release()
+        raise
+    return Claim(target, None, owner)
+
+
 def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, threads: int = 0,
-                     ready: Any = None, progress: Any = None, before_commit: Any = None) -> Path:
+                     ready: Any = None, progress: Any = None, before_commit: Any = None,
+                     claim: Claim | None = None) -> Path:
     """Write ``plan`` to the folder ``target`` crash-safely (see the module docs); returns ``target``.
 
     ``ready`` (optional): ``ready([(address, length), ...])``, called by the writer before each chunk with the
@@ -259,54 +329,51 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
     ``progress`` (optional): a ``fastckpt._core.WriteProgress`` over the plan's tensors, in part order (streaming
     async saves, :mod:`fastckpt._io.async_save.stream`). ``before_commit`` (optional): ``before_commit(checksums)``
     with ``{file name: its manifest checksum fields}``, called once every file is written, before the manifest;
-    if it raises, nothing is committed.
+    if it raises, nothing is committed. ``claim`` (optional): ``target``'s :func:`claim_target`, made earlier (an
+    async save's call); else it is claimed here. Released either way.
 
     A target that is a mount point, sits in a folder this process cannot write, or holds many files of the user's
     is committed inside itself instead (:mod:`fastckpt._io.storage.local.in_place`); that is decided before anything is written.
 
     Raises:
+        DestinationNotWritableError: what :func:`claim_target` raises (before anything is written).
         OSError: the folder cannot be written (disk full, permissions); nothing is left behind and a previous
             checkpoint at ``target`` is intact.
     """
     started = time.perf_counter()
-    target = check_target(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_id = secrets.token_hex(8)
-    foreign: list[str] | None = []
-    reason = in_place_reason(target)
-    if reason is None and target.is_dir():
-        foreign = foreign_entries(target)
-        if foreign is None:
-            reason = f"it holds {FOREIGN_LIMIT} or more files of its own"
-    if reason is not None:
-        file_mode = _existing(target)[0]
-        commit_in_place(target, reason, lambda folder, facts: write_files(
-            plan, folder, save_id=save_id, durable=durable, threads=threads, ready=ready, file_mode=file_mode,
-            extra=facts, tag_files=True, progress=progress, before_commit=before_commit), durable=durable)
-    else:
-        _commit_beside(plan, target, foreign or [], save_id=save_id, durable=durable, threads=threads, ready=ready,
-                       progress=progress, before_commit=before_commit)
-    log_save(target, plan, time.perf_counter() - started, in_place=reason)
+    claim = claim if claim is not None else claim_target(target)
+    try:
+        target = claim.target
+        save_id = secrets.token_hex(8)
+        if claim.reason is not None:
+            file_mode = _existing(target)[0]
+            commit_in_place(target, claim.reason, lambda folder, facts: write_files(
+                plan, folder, save_id=save_id, durable=durable, threads=threads, ready=ready, file_mode=file_mode,
+                extra=facts, tag_files=True, progress=progress, before_commit=before_commit), durable=durable)
+        else:
+            _commit_beside(plan, claim, save_id=save_id, durable=durable, threads=threads, ready=ready,
+                           progress=progress, before_commit=before_commit)
+    finally:
+        claim.release()  # after a commit nothing is left at the staging path; after an error, the partial folder goes
+    log_save(target, plan, time.perf_counter() - started, in_place=claim.reason)
     return target
 
 
-def _commit_beside(plan: SavePlan, target: Path, foreign: list[str], *, save_id: str, durable: bool, threads: int,
-                   ready: Any, progress: Any = None, before_commit: Any = None) -> None:
-    """The usual commit: a staging folder beside ``target``, put in place in one step (see the module docs)."""
-    clean_leftovers(target.parent)
+def _commit_beside(plan: SavePlan, claim: Claim, *, save_id: str, durable: bool, threads: int, ready: Any,
+                   progress: Any = None, before_commit: Any = None) -> None:
+    """The usual commit: the claimed staging folder beside the target, put in place in one step (see the module
+    docs); the caller releases the claim (removing the partial folder after an error)."""
+    target, staging = claim.target, claim.staging
+    assert staging is not None
     file_mode, folder = _existing(target)
-    owner = OwnedPath(target.parent, target.name)
-    staging = owner.path
-    try:
-        staging.mkdir()
-        _match_folder(staging, folder)
-        write_files(plan, staging, save_id=save_id, durable=durable, threads=threads, ready=ready,
-                    file_mode=file_mode, progress=progress, before_commit=before_commit)
-        _carry_foreign_entries(target, staging, foreign)
-        _final_mode(staging, folder)
-        if durable:
-            fsync_dir(staging)
-        _core.commit_dir(str(staging), str(target), durable=durable)
-    finally:
-        owner.release()  # after a commit nothing is left at `staging`; after an error, the partial folder goes
+    _match_folder(staging, folder)
+    write_files(plan, staging, save_id=save_id, durable=durable, threads=threads, ready=ready,
+                file_mode=file_mode, progress=progress, before_commit=before_commit)
+    # the user's files in the target as they are now (an async save claimed it at the call)
+    _carry_foreign_entries(target, staging, (foreign_entries(target, limit=sys.maxsize) or []) if target.is_dir()
+                           else [])
+    _final_mode(staging, folder)
+    if durable:
+        fsync_dir(staging)
+    _core.commit_dir(str(staging), str(target), durable=durable)
     remember_scanned(target.parent)

@@ -29,8 +29,9 @@ from typing import Any, Callable
 
 from fastckpt._format.json_input import load_json
 from fastckpt._io.storage.local.layout import IN_PLACE_STAGING, MANIFEST
+from fastckpt.errors import DestinationNotWritableError
 
-__all__ = ["STAGING_NAME", "LOCK_NAME", "in_place_reason", "commit_in_place", "is_mount_point"]
+__all__ = ["STAGING_NAME", "LOCK_NAME", "check_in_place", "in_place_reason", "commit_in_place", "is_mount_point"]
 
 STAGING_NAME = IN_PLACE_STAGING
 LOCK_NAME = ".fastckpt.lock"
@@ -94,16 +95,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _open_lock(target: Path) -> int:
+    """Open (create) ``{target}/.fastckpt.lock``, unlocked.
+
+    Raises:
+        DestinationNotWritableError: a read-only or full file system, no permission: naming the folder the caller
+            saves to (also the builtin OSError subclass of the errno), not fastckpt's hidden lock file.
+    """
+    try:
+        return os.open(target / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise DestinationNotWritableError.of(exc.errno, f"cannot save into {target}: it does not take new "
+                                                        f"files ({exc.strerror or exc})", str(target)) from None
+
+
+def check_in_place(target: Path) -> None:
+    """Raise what :func:`commit_in_place` raises before its first byte when ``target`` takes no files (its lock file
+    cannot be made), without taking the lock (which waits for another in-place save); leaves nothing behind.
+
+    Raises:
+        DestinationNotWritableError: see :func:`_open_lock`.
+    """
+    existed = os.path.lexists(target / LOCK_NAME)
+    fd = _open_lock(target)
+    try:
+        if not existed:  # ours: removed as an in-place save's unlock does, holding the lock (never another's)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(target / LOCK_NAME)
+    except OSError:
+        pass  # another save holds it: it removes it
+    finally:
+        os.close(fd)
+
+
 def _lock(target: Path) -> int:
     """Open and ``flock`` ``{target}/.fastckpt.lock`` (waits for another in-place save of the folder)."""
     path = target / LOCK_NAME
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:  # a read-only or full file system: name the folder the caller saves to, as the
-            # same builtin class and errno, not fastckpt's hidden lock file
-            raise type(exc)(exc.errno, f"cannot save into {target}: it does not take new files "
-                                       f"({exc.strerror or exc})", str(target)) from None
+        fd = _open_lock(target)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:  # not unlinked by the previous holder meanwhile

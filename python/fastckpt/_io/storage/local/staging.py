@@ -34,6 +34,8 @@ import stat
 import threading
 from pathlib import Path
 
+from fastckpt.errors import DestinationNotWritableError
+
 __all__ = ["OwnedPath", "clean_leftovers", "leftovers", "short_name"]
 
 _MAX_TARGET_BYTES = 180  # + ".fastckpt-staging-{pid}-{token}.old.{pid}.lock" stays under NAME_MAX = 255
@@ -74,7 +76,8 @@ class OwnedPath:
     renames something to it). :meth:`release` removes whatever is at the path, then the lock.
 
     Raises:
-        OSError: the lock file cannot be created (read-only or full file system, no permission).
+        DestinationNotWritableError: the lock file cannot be created (read-only or full file system, no permission;
+            also the builtin OSError subclass of its errno), naming ``parent/target_name``.
     """
 
     def __init__(self, parent: Path, target_name: str, kind: str = "staging") -> None:
@@ -129,11 +132,12 @@ class OwnedPath:
 
 
 def _unwritable(exc: OSError, parent: Path, target_name: str) -> OSError:
-    """``exc`` (an OSError creating the owner's lock file in ``parent``) as the same builtin class and errno, naming
-    the path the caller writes (``parent/target_name``, the folder the user gave) instead of the hidden lock file."""
+    """``exc`` (an OSError creating the owner's lock file in ``parent``) as a
+    :class:`~fastckpt.errors.DestinationNotWritableError` of its errno (also its builtin class), naming the path the
+    caller writes (``parent/target_name``, the folder the user gave) instead of the hidden lock file."""
     target = parent / target_name
-    return type(exc)(exc.errno, f"cannot write {target}: its folder {parent} does not take new files "
-                                f"({exc.strerror or exc})", str(target))
+    return DestinationNotWritableError.of(exc.errno, f"cannot write {target}: its folder {parent} does not take new "
+                                                     f"files ({exc.strerror or exc})", str(target))
 
 
 def glob_escape(name: str) -> str:

@@ -45,6 +45,10 @@ class TieredStagedSave:
         """As the local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.renumber`."""
         self.local.renumber(number)
 
+    def claim(self) -> None:
+        """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.claim` (an async save's call)."""
+        self.local.claim()
+
     def share(self, link: Any, after_commit: Any) -> None:
         """The local tier's :meth:`~fastckpt._io.storage.local.backend.LocalStagedSave.share`."""
         self.local.share(link, after_commit)
