@@ -8,6 +8,7 @@ Where a test needs the write to happen *after* the caller moved on, it holds the
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -122,9 +123,10 @@ def test_a_second_async_save_waits_for_the_first(tmp_path, held_writer):
 
 
 def _becomes_a_file(folder) -> None:
-    """Replace the (empty) folder ``folder`` by a file: a held async write into it then fails in the writer (a save
-    is refused at the call when its folder already lies under a file)."""
-    folder.rmdir()
+    """Replace the folder ``folder`` (holding only the staging folder the call claimed) by a file: a held async
+    write into it then fails in the writer (a save is refused at the call when its folder already lies under a
+    file)."""
+    shutil.rmtree(folder)
     folder.write_text("not a folder")
 
 

@@ -9,6 +9,7 @@ Where the write must happen after the caller moved on, the writer thread is held
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -229,7 +230,8 @@ def test_a_step_waiting_for_the_writer_goes_on_when_the_write_fails(tmp_path, he
     opts[0].register_step_pre_hook(lambda *_: held_writer.set())  # the writer starts, then fails at once
     handle = fastckpt.save_state(model, opts, output_dir=tmp_path / "file" / "c", async_save=True,
                                  host_memory_budget=0)  # the step must wait for the writer: nothing is copied
-    (tmp_path / "file").rmdir()  # the folder becomes a file before the held writer starts: its write fails
+    shutil.rmtree(tmp_path / "file")  # the folder (and the staging folder the call claimed in it) becomes a file
+    # before the held writer starts: its write fails
     (tmp_path / "file").write_text("not a folder")
     stepped = threading.Thread(target=_step, args=(model, opts, 2))
     stepped.start()

@@ -97,6 +97,9 @@ class CheckpointIO(_LightningCheckpointIO):
         Raises:
             TypeError: ``storage_options`` is given (as Lightning's ``TorchCheckpointIO``), or a value needs pickle
                 and ``trust_pickle`` is False (names its key path).
+            DestinationNotWritableError: ``path``'s folder cannot be made or takes no new files: raised here in
+                every ``async_save`` mode, before anything is written (:func:`fastckpt.save` makes the parent
+                folders at the call: Lightning links into them).
             OSError, DtypeError: see :func:`fastckpt.save`; the previous checkpoint at ``path`` is intact.
         """
         if storage_options is not None:
@@ -108,7 +111,6 @@ class CheckpointIO(_LightningCheckpointIO):
         if target.is_symlink():  # last.ckpt -> a top-k checkpoint (save_last="link"): replace the link only
             wait_for_saves_to(Path(os.path.realpath(target)))
             target.unlink()
-        target.parent.mkdir(parents=True, exist_ok=True)  # now, not on the writer thread: Lightning links into it
         state = dict(checkpoint)
         state.setdefault(RNG_KEY, collect_rng_states())  # RankRNGStates put every process's there
         save(state, target, trust_pickle=self.trust_pickle, async_save=self.async_save,
