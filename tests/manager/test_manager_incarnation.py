@@ -100,3 +100,16 @@ def test_a_sharded_snapshot_of_an_earlier_incarnation_is_skipped(tmp_path):
     with pytest.warns(TierSkippedWarning, match=f"project id {'a' * 32}; this one is {'b' * 32}"):
         report = survey(tier, proj, None, None, rank=0, threads=1, world=2)
     assert report["memory"] is None
+
+
+def test_a_project_dir_that_takes_no_files_is_refused_at_construction():
+    """The manager's async steps never start on a project folder that cannot be made: its constructor raises the
+    typed error (also the errno's builtin class), naming the folder given, and no step runs."""
+    from fastckpt.errors import DestinationNotWritableError
+
+    model = torch.nn.Linear(2, 2)
+    for given, builtin in (("/proc/x/run", FileNotFoundError), ("/sys/x", PermissionError)):
+        with pytest.raises(DestinationNotWritableError) as info:
+            fastckpt.CheckpointManager(given, model, every_n_steps=1)
+        assert isinstance(info.value, builtin) and info.value.filename == given, repr(info.value)
+        assert "project_dir must be writable" in str(info.value)

@@ -19,7 +19,7 @@ import re
 import secrets
 from pathlib import Path
 
-from fastckpt.errors import CheckpointError
+from fastckpt.errors import CheckpointError, DestinationNotWritableError
 
 __all__ = ["ID_FILE", "missing_folders", "project_id", "undo_made"]
 
@@ -41,11 +41,18 @@ def project_id(project: Path) -> tuple[str, list[Path]]:
         file; :func:`undo_made` removes them).
 
     Raises:
-        OSError: the folder or the file cannot be written (names it). CheckpointError: the id file holds something
+        DestinationNotWritableError: the folder or the file cannot be written (names it; also the builtin OSError
+            subclass of its errno). CheckpointError: the id file holds something
             else than an id (names it; remove it).
     """
     made = missing_folders(project)
-    project.mkdir(parents=True, exist_ok=True)
+    try:
+        project.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # /proc/x, a read-only parent: name the project_dir and the folder that failed
+        raise DestinationNotWritableError.of(
+            exc.errno, f"cannot make the project folder {project} ({exc.filename or project}: "
+                       f"{exc.strerror or exc}); the CheckpointManager's project_dir must be writable",
+            str(project)) from None
     path = project / ID_FILE
     if not path.exists():
         tmp = project / f".{ID_FILE}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
@@ -62,8 +69,9 @@ def project_id(project: Path) -> tuple[str, list[Path]]:
             except FileExistsError:
                 pass
         except OSError as exc:  # name the project's file, not the temporary one
-            raise type(exc)(exc.errno, f"cannot write the project id {path} ({exc.strerror or exc}); the "
-                                       "CheckpointManager's project_dir must be writable", str(path)) from None
+            raise DestinationNotWritableError.of(exc.errno, f"cannot write the project id {path} "
+                                                            f"({exc.strerror or exc}); the CheckpointManager's "
+                                                            "project_dir must be writable", str(path)) from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
