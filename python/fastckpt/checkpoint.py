@@ -248,6 +248,13 @@ def save_state(
         ValueError: a bad ``max_shard_size`` or ``compat``, or both ``max_shard_size`` and ``compat="accelerate"``;
             ``dtype`` without ``model_only`` or not a floating dtype.
         FrozenWeightsError: never on save (see :func:`load_state`).
+        DestinationNotWritableError: a local ``output_dir`` (or project folder) whose folder cannot be made or takes
+            no new files (read-only, full, no permission, ``/proc``): raised at the call in every ``async_save`` mode
+            as in a synchronous save, before anything is written or copied, naming the folder given; nothing is
+            left behind and nothing is reported later. Also the builtin OSError subclass of its errno
+            (``PermissionError``, ``FileNotFoundError``). ``NotADirectoryError``: ``output_dir`` is a file or lies
+            under one (at the call too). Over ``s3://`` a missing bucket is found by the upload (for an async save,
+            on the writer thread).
         OSError: the folder cannot be written; nothing is left behind and the previous checkpoint is intact. For
             ``s3://``: the store failed after the bounded retries (names the object); nothing is committed.
         ConcurrentSaveError: (``s3://``) another save committed the same checkpoint first; its state is the one there.
