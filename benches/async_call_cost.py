@@ -4,7 +4,8 @@ The issue's model: 8 ``nn.Linear(2048, 2048)`` and its AdamW after one step (a 4
 parameters, twice that of Adam moments). Per round, alternated (benches._measure.round_order: every pair in both orders): ``memcpy``
 (every tensor of the state copied once into preallocated memory, as a snapshot does), and the call of each mode
 (``True``: write guards where the kernel allows them, see ``fastckpt._io.async_save.write_guard``; ``True`` with the
-guards off: every streamed tensor hashed at the call, the fallback; ``"stream"``: neither; ``"snapshot"``: a copy
+guards off: every streamed tensor hashed at the call, the fallback; ``True`` with ``MERGE_GAP=0``: one registration per
+tensor, as before the guards were shared; ``"stream"``: neither; ``"snapshot"``: a copy
 into the reused pool). Each save is
 waited for outside the timed call. Printed: medians over rounds of the call's seconds and of per-round ratios to
 the same round's memcpy.
@@ -64,20 +65,23 @@ def main() -> None:
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="fastckpt-call-cost-"))
 
-    def call(mode: object, guards: bool = True) -> float:
-        write_guard.ENABLED = guards
+    def call(mode: object, guards: bool = True, merge_gap: int = write_guard.MERGE_GAP) -> float:
+        write_guard.ENABLED, write_guard.MERGE_GAP = guards, merge_gap
         start = time.perf_counter()
         handle = fastckpt.save_state(model, opt, output_dir=root / str(mode), async_save=mode, durable=False,
                                      threads=args.threads)
         seconds = time.perf_counter() - start
         handle.wait()
-        write_guard.ENABLED = True
+        write_guard.ENABLED, write_guard.MERGE_GAP = True, default_gap
         return seconds
+
+    default_gap = write_guard.MERGE_GAP
 
     guarded = write_guard.WriteGuard.open()
     if guarded is not None:
         guarded.close()
     contenders = {"memcpy": memcpy, "async_save=True": lambda: call(True),
+                  "async_save=True, one guard per tensor (MERGE_GAP=0)": lambda: call(True, merge_gap=0),
                   "async_save=True, guards off (hash at the call)": lambda: call(True, guards=False),
                   'async_save="stream"': lambda: call("stream"), 'async_save="snapshot"': lambda: call("snapshot")}
     first = {n: fn() for n, fn in contenders.items()}  # warm-up: pool allocated, pages faulted, huge pages asked for

@@ -73,8 +73,8 @@ class CallProof:
         self._copies: dict[int, Any] = {}
         try:
             if self.guard is not None:
-                for d in deferred:
-                    g = self.guard.guard(d.tensor) if _guardable(d) else None
+                able = [d for d in deferred if _guardable(d)]
+                for d, g in zip(able, self.guard.guard_many([d.tensor for d in able])):
                     if g is not None:
                         self.guarded[d.id] = g
             self.hashes = call_hashes([d for d in deferred if d.id not in self.guarded])
