@@ -355,6 +355,8 @@ def write_checkpoint(plan: SavePlan, target: Path, *, durable: bool = True, thre
                            progress=progress, before_commit=before_commit)
     finally:
         claim.release()  # after a commit nothing is left at the staging path; after an error, the partial folder goes
+    if claim.reason is None:
+        remember_scanned(target.parent)  # after the lock's removal: the next save need not list the parent again
     log_save(target, plan, time.perf_counter() - started, in_place=claim.reason)
     return target
 
@@ -376,4 +378,3 @@ def _commit_beside(plan: SavePlan, claim: Claim, *, save_id: str, durable: bool,
     if durable:
         fsync_dir(staging)
     _core.commit_dir(str(staging), str(target), durable=durable)
-    remember_scanned(target.parent)
