@@ -17,9 +17,13 @@ new scheduler) and compared bit for bit with the trained ones: every weight (``t
 param_groups, the scheduler state_dict, and the next draws of Python ``random``, numpy and torch, which must equal
 the draws taken right after the save.
 
+A second table times weights-only loads into an existing model from the model-only checkpoint: fastckpt's
+verifying ``load_state(model_only=True)`` next to safetensors, run:ai's model streamer and tensorizer, each when
+importable (:mod:`fastckpt.demo.peers`); the missing ones are named under it.
+
 Layer 5 (public). May import the public API (``fastckpt``, ``fastckpt.accelerate``) and its own modules: gpt2
 (the model), compare (bit-for-bit comparisons), files (sizes, fsync, page-cache drops), table (rows, the table, the
-machine's load beside it).
+machine's load beside it), peers (the weights-only loads).
 """
 
 from __future__ import annotations
@@ -229,7 +233,9 @@ def run_demo(
     rounds: int = 3,
 ) -> DemoResult:
     """Train GPT-2 ``size`` for ``steps`` steps, checkpoint it with fastckpt (full, model_only) and accelerate,
-    reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table.
+    reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table; then time the
+    weights-only loads of the model-only checkpoint into an existing model, fastckpt's against each importable peer
+    (safetensors, run:ai's model streamer, tensorizer), in a second table (``DemoResult.weights``).
 
     Args:
         size: a :data:`fastckpt.demo.gpt2.PRESETS` name: ``"small"`` (GPT-2 small, 124M parameters; the full
