@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -271,7 +272,7 @@ def run_demo(
     if not _accelerate_installed():
         print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
         methods.pop("accelerate")
-    taken = [pathlib.Path(out_dir, _folder(name)) for name in methods if out_dir is not None]
+    taken = [pathlib.Path(out_dir, _folder(name)) for name in [*methods, "tensorizer"] if out_dir is not None]
     if any(path.exists() for path in taken):
         raise FileExistsError(f"{next(p for p in taken if p.exists())} already exists; pick an empty --keep folder")
     model, optimizer, scheduler = build_training(size, seed)
@@ -322,7 +323,7 @@ def run_demo(
                 nonlocal peak_load
                 peak_load = max(peak_load, load_average())
 
-            target = build_training(size, seed + 1)[0]
+            target = copy.deepcopy(model)  # an existing model of the same shape (zeroed before each load)
             weights = weights_rows(fastckpt, [FASTCKPT, *peers], root / _folder("fastckpt model_only"), root,
                                    model, target, rounds=rounds, threads=threads, cold_cache=cold_cache,
                                    on_round=sample)
