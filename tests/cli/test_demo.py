@@ -124,7 +124,9 @@ def test_python_dash_m_fastckpt_demo():
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sum(line.rstrip().endswith("yes") for line in proc.stdout.splitlines()) == 3, proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(tuple(name + "  " for name in ROWS))]
+    assert len(rows) == 3 and all(row.rstrip().endswith("yes") for row in rows), proc.stdout
+    assert "FAILED" not in proc.stdout
 
 
 def test_demo_alternates_contenders_and_reports_medians_of_rounds(monkeypatch):
@@ -160,7 +162,9 @@ def test_demo_alternates_contenders_and_reports_medians_of_rounds(monkeypatch):
     assert lines[header].split("  ")[-3:] == ["save speedup", "load speedup", "verified"]
     accelerate_row = next(line for line in lines if line.startswith("accelerate  "))
     assert accelerate_row.split()[-3:] == ["1.00x", "1.00x", "yes"]
-    assert lines[header + 2 + len(names)].startswith("machine load: 1-minute load average up to ")  # beside it
+    below = [line for line in lines[header + 2 + len(names):]  # the weights-only table (issue 26) comes between
+             if not line.startswith(("weights-only load  ", "-----", "not installed, so not measured: ", *_WEIGHTS))]
+    assert below[0].startswith("machine load: 1-minute load average up to ")  # beside the tables
     assert result.peak_load >= 0  # sampled during the rounds (Linux has a load average)
 
 
@@ -172,3 +176,110 @@ def test_the_load_average_line_says_what_a_busy_machine_does():
     idle = demo.busy_line(0.5, cpus=16)
     assert idle == ("machine load: 1-minute load average up to 0.50 on 16 CPUs: not saturated; a busier machine gives "
                     "longer times and speed-ups closer to 1x")
+
+
+# Issue 26: the weights-only loads next to the fastest loaders (fastckpt.demo.peers).
+
+_WEIGHTS = ["fastckpt load_state model_only", "safetensors load_file + load_state_dict", "runai streamer + copy_",
+            "tensorizer load_into_module"]
+_MISSING_LINE = ("not installed, so not measured: runai streamer + copy_, tensorizer load_into_module "
+                 "(runai_model_streamer, tensorizer); add them with pip install 'fastckpt-rs[bench]'")
+
+
+def _weights_block(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("weights-only load  "))
+    end = next(i for i in range(start + 2, len(lines)) if not lines[i].startswith(tuple(_WEIGHTS)))
+    return lines[start:end]
+
+
+def test_missing_peers_line_names_them_and_the_extra():
+    from fastckpt.demo import peers
+
+    assert peers.PEERS == _WEIGHTS[1:]
+    assert peers.missing_line([]) == ""
+    assert peers.missing_line(_WEIGHTS[2:]) == _MISSING_LINE
+
+
+def test_weights_table_exact_values():
+    from fastckpt.demo.table import DemoRow, format_weights_table
+
+    rows = [DemoRow(_WEIGHTS[0], None, 500_000_000, float("nan"), 1.0, [], [], [1.0], load_speedup=1.0),
+            DemoRow(_WEIGHTS[3], None, 700_000_000, float("nan"), 0.5, ["w: differs"], [], [0.5], load_speedup=2.0)]
+    assert format_weights_table(rows).splitlines() == [
+        "weights-only load               MB read  load s  load GB/s  vs fastckpt  equal",
+        "------------------------------  -------  ------  ---------  -----------  -----",
+        "fastckpt load_state model_only    500.0   1.000       0.50        1.00x    yes",
+        "tensorizer load_into_module       700.0   0.500       1.40        2.00x     no",
+    ]
+
+
+def test_demo_weights_rows_with_absent_peers(monkeypatch):
+    """Only safetensors importable (runai and tensorizer faked absent): the weights table has fastckpt's row and
+    safetensors', rotated over the rounds, each equal to the saved weights; the line under it names the others."""
+    from fastckpt.demo import peers
+
+    monkeypatch.setattr(demo, "available_peers", lambda: [_WEIGHTS[1]])
+    calls: list[str] = []
+    real = peers.weights_loaders
+
+    def recording(*args, **kwargs):
+        loaders = real(*args, **kwargs)
+        return {name: ((lambda name=name, run=run: (calls.append(name), run())[1]), size)
+                for name, (run, size) in loaders.items()}
+
+    monkeypatch.setattr(peers, "weights_loaders", recording)
+    out = io.StringIO()
+    result = demo.run_demo("tiny", steps=1, cold_cache=False, stream=out, rounds=3)
+    assert result.ok and [row.name for row in result.weights] == _WEIGHTS[:2]
+    assert result.missing_peers == _WEIGHTS[2:]
+    assert calls == [_WEIGHTS[0], _WEIGHTS[1], _WEIGHTS[1], _WEIGHTS[0], _WEIGHTS[0], _WEIGHTS[1]]
+    fast, safe = result.weights
+    assert fast.load_speedup == 1.0 and len(safe.load_rounds) == 3
+    assert safe.load_speedup == statistics.median([f / s for f, s in zip(fast.load_rounds, safe.load_rounds)])
+    assert fast.bytes_written == result.rows[1].bytes_written > safe.bytes_written  # the folder / its weights file
+    text = out.getvalue()
+    block = _weights_block(text)
+    assert [line.split("  ")[0] for line in block[2:]] == _WEIGHTS[:2]
+    assert all(line.split()[-2:] == [f"{row.load_speedup:.2f}x", "yes"] for line, row in zip(block[2:], result.weights))
+    assert text.splitlines()[text.splitlines().index(block[-1]) + 1] == _MISSING_LINE
+    assert "the peers verify nothing" in text and "unties it on load" in text
+
+
+def test_demo_without_any_peer_keeps_one_table_and_names_them_all(monkeypatch):
+    monkeypatch.setattr(demo, "available_peers", lambda: [])
+    out = io.StringIO()
+    result = demo.run_demo("tiny", steps=1, cold_cache=False, stream=out, rounds=1)
+    assert result.ok and result.weights == [] and result.missing_peers == _WEIGHTS[1:]
+    assert "weights-only load  " not in out.getvalue()
+    assert ("not installed, so not measured: safetensors load_file + load_state_dict, runai streamer + copy_, "
+            "tensorizer load_into_module (safetensors, runai_model_streamer, tensorizer); add them with "
+            "pip install 'fastckpt-rs[bench]'") in out.getvalue().splitlines()
+
+
+def test_demo_weights_row_that_loads_wrong_bytes_fails(monkeypatch):
+    """A peer that leaves the model unchanged (zeroed) is caught by the equality check: no, FAILED, exit 1."""
+    from fastckpt.demo import peers
+
+    monkeypatch.setattr(demo, "available_peers", lambda: [_WEIGHTS[1]])
+    monkeypatch.setattr("safetensors.torch.load_file", lambda path: {})
+    out = io.StringIO()
+    result = demo.run_demo("tiny", steps=1, cold_cache=False, stream=out, rounds=1)
+    assert not result.ok
+    assert [row.verified for row in result.weights] == [True, False]
+    assert (f"FAILED {_WEIGHTS[1]}: transformer.wte.weight: the loaded tensor differs from the saved one"
+            in out.getvalue().splitlines())
+    assert peers.FASTCKPT == _WEIGHTS[0]
+
+
+def test_demo_real_peers_when_installed():
+    pytest.importorskip("runai_model_streamer")
+    pytest.importorskip("tensorizer")
+    out = io.StringIO()
+    result = demo.run_demo("tiny", steps=1, stream=out, rounds=1)
+    assert result.ok and result.missing_peers == []
+    assert [row.name for row in result.weights] == _WEIGHTS
+    assert all(row.verified and len(row.load_rounds) == 1 for row in result.weights)
+    # tensorizer's own file holds the tied embedding twice: more bytes than the safetensors file the others read
+    assert result.weights[3].bytes_written > result.weights[1].bytes_written == result.weights[2].bytes_written
+    assert "not installed" not in out.getvalue()

@@ -17,9 +17,13 @@ new scheduler) and compared bit for bit with the trained ones: every weight (``t
 param_groups, the scheduler state_dict, and the next draws of Python ``random``, numpy and torch, which must equal
 the draws taken right after the save.
 
+A second table times weights-only loads into an existing model from the model-only checkpoint: fastckpt's
+verifying ``load_state(model_only=True)`` next to safetensors, run:ai's model streamer and tensorizer, each when
+importable (:mod:`fastckpt.demo.peers`); the missing ones are named under it.
+
 Layer 5 (public). May import the public API (``fastckpt``, ``fastckpt.accelerate``) and its own modules: gpt2
 (the model), compare (bit-for-bit comparisons), files (sizes, fsync, page-cache drops), table (rows, the table, the
-machine's load beside it).
+machine's load beside it), peers (the weights-only loads).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -47,7 +52,8 @@ import torch
 from fastckpt.demo.compare import draw_random, verify
 from fastckpt.demo.files import dir_bytes, drop_page_cache, fsync_tree, same_start
 from fastckpt.demo.gpt2 import GPT, PRESETS, num_parameters
-from fastckpt.demo.table import DemoRow, busy_line, format_table, load_average, make_row
+from fastckpt.demo.peers import FASTCKPT, PEERS, available_peers, missing_line, weights_rows
+from fastckpt.demo.table import DemoRow, busy_line, format_table, format_weights_table, load_average, make_row
 
 __all__ = ["DemoResult", "DemoRow", "busy_line", "dir_bytes", "drop_page_cache", "format_table", "fsync_tree",
            "run_demo", "same_start"]
@@ -72,10 +78,13 @@ class DemoResult:
     losses: list[float]
     wall_s: float
     peak_load: float = math.nan  #: the highest 1-minute load average sampled during the rounds
+    #: the weights-only loads into an existing model: fastckpt's model-only load, then each importable peer
+    weights: list[DemoRow] = dataclasses.field(default_factory=list)
+    missing_peers: list[str] = dataclasses.field(default_factory=list)  #: peers not importable, not measured
 
     @property
     def ok(self) -> bool:
-        return all(row.verified for row in self.rows)
+        return all(row.verified for row in self.rows + self.weights)
 
 
 def corpus_text() -> str:
@@ -225,7 +234,9 @@ def run_demo(
     rounds: int = 3,
 ) -> DemoResult:
     """Train GPT-2 ``size`` for ``steps`` steps, checkpoint it with fastckpt (full, model_only) and accelerate,
-    reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table.
+    reload each checkpoint into fresh objects, verify bit-exactness, and print one comparison table; then time the
+    weights-only loads of the model-only checkpoint into an existing model, fastckpt's against each importable peer
+    (safetensors, run:ai's model streamer, tensorizer), in a second table (``DemoResult.weights``).
 
     Args:
         size: a :data:`fastckpt.demo.gpt2.PRESETS` name: ``"small"`` (GPT-2 small, 124M parameters; the full
@@ -261,7 +272,7 @@ def run_demo(
     if not _accelerate_installed():
         print("accelerate is not installed: its row is skipped (pip install 'fastckpt[accelerate]')", file=out)
         methods.pop("accelerate")
-    taken = [pathlib.Path(out_dir, _folder(name)) for name in methods if out_dir is not None]
+    taken = [pathlib.Path(out_dir, _folder(name)) for name in [*methods, "tensorizer"] if out_dir is not None]
     if any(path.exists() for path in taken):
         raise FileExistsError(f"{next(p for p in taken if p.exists())} already exists; pick an empty --keep folder")
     model, optimizer, scheduler = build_training(size, seed)
@@ -305,12 +316,29 @@ def run_demo(
                 peak_load = max(peak_load, load_average())
         baseline = timings.get("accelerate", ([], []))[:2]
         rows = [make_row(name, root / _folder(name), *timings[name], baseline=baseline) for name in names]
+        peers = available_peers()
+        weights: list[DemoRow] = []
+        if peers and not timings["fastckpt model_only"][2]:
+            def sample() -> None:
+                nonlocal peak_load
+                peak_load = max(peak_load, load_average())
+
+            target = copy.deepcopy(model)  # an existing model of the same shape (zeroed before each load)
+            weights = weights_rows(fastckpt, [FASTCKPT, *peers], root / _folder("fastckpt model_only"), root,
+                                   model, target, rounds=rounds, threads=threads, cold_cache=cold_cache,
+                                   on_round=sample)
+            del target
     finally:
         if out_dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    result = DemoResult(rows, params, losses, time.perf_counter() - started, peak_load)
+    missing = [name for name in PEERS if name not in peers]
+    result = DemoResult(rows, params, losses, time.perf_counter() - started, peak_load, weights, missing)
     print(format_table(rows), file=out)
+    if weights:
+        print(format_weights_table(weights), file=out)
+    if missing_line(missing):
+        print(missing_line(missing), file=out)
     print(busy_line(peak_load), file=out)
     cache = ("a cold page cache (files read once, then posix_fadvise DONTNEED: the same start for every row)"
              if cold_cache else "the page cache")
@@ -323,7 +351,14 @@ def run_demo(
     print("verified: reloaded into objects built from scratch and compared bit for bit (every weight and the tie;"
           " full rows also optimizer state + param_groups, scheduler state, next python/numpy/torch RNG draws)",
           file=out)
-    for row in rows:
+    if weights:
+        print("weights-only loads into an existing model, from the model_only checkpoint (tensorizer: its own file, "
+              "written untimed), same cache state and rotation; fastckpt verifies every byte (checksums) before it "
+              "changes the model, the peers verify nothing; vs fastckpt: median of per-round ratios, fastckpt's "
+              "seconds / the row's (above 1x: faster than fastckpt); equal: every weight torch.equal to the saved "
+              "one (tensorizer stores the tied embedding twice and unties it on load: it fills a model of its own, "
+              "checked weight by weight)", file=out)
+    for row in rows + weights:
         for problem in row.problems[:10]:
             print(f"FAILED {row.name}: {problem}", file=out)
     where = f"kept in {root}" if out_dir is not None else "removed"

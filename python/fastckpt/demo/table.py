@@ -16,7 +16,7 @@ import statistics
 
 from fastckpt.demo.files import dir_bytes
 
-__all__ = ["DemoRow", "format_table", "make_row", "load_average", "busy_line"]
+__all__ = ["DemoRow", "format_table", "make_row", "load_average", "busy_line", "format_weights_table"]
 
 
 @dataclasses.dataclass
@@ -105,13 +105,35 @@ def format_table(rows: list[DemoRow]) -> str:
                 "yes" if row.verified else "no",
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in lines
-    ]
+    return _aligned(lines)
+
+
+def _aligned(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)
+
+
+def format_weights_table(rows: list[DemoRow]) -> str:
+    """The weights-only load table (fastckpt's model-only load and the peers, into an existing model): bytes read
+    (MB = 1e6), median seconds, GB/s, ``vs fastckpt`` (in ``load_speedup``: fastckpt's seconds / the row's, median of
+    per-round ratios; above 1x is faster than fastckpt's verifying load), whether the result equalled the saved
+    weights.
+
+    Args:
+        rows: one :class:`DemoRow` per loader (``save_s`` unused).
+
+    Returns:
+        The aligned plain-text table.
+    """
+    lines = [["weights-only load", "MB read", "load s", "load GB/s", "vs fastckpt", "equal"]]
+    for row in rows:
+        lines.append([row.name, f"{row.bytes_written / 1e6:,.1f}", _number(row.load_s, "{:.3f}"),
+                      _number(row.bytes_written / 1e9 / row.load_s if row.load_s else math.nan, "{:.2f}"),
+                      _number(row.load_speedup, "{:.2f}x"), "yes" if row.verified else "no"])
+    return _aligned(lines)
 
 
 def load_average() -> float:
