@@ -127,12 +127,15 @@ def run_workload(name: str, root: pathlib.Path, rounds: int, only: list[str], lo
 
 def render(results, notes: list[str], header: list[str], disk: dict | None = None) -> list[str]:
     key = ["fastckpt save_state full", "fastckpt load_state existing (cold)", "fastckpt save_state async"]
+    peers = peer_table(results, disk)
+    if len(peers) <= 2:  # no workload measured the peers (``peers=False``, or --only left them out): no empty table
+        peers = ["No workload of this run measured the peers (gpt-1GB and gpt2-small do)."]
     return [
         *header, "", *table(results), "", "### Targets", "", *targets(results), "",
         "### Per-round ratios (each against the baseline measured in the same round)", "",
         *round_table(results, key), "",
         "### The fastest loaders (weights only; `vs best`: the best peer's time over fastckpt's, per round, median)",
-        "", *([describe(disk), ""] if disk else []), *peer_table(results, disk), "",
+        "", *([describe(disk), ""] if disk else []), *peers, "",
         *(["### Notes", "", *[f"- {n}" for n in notes], ""] if notes else []),
     ]
 

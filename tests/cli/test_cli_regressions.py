@@ -106,3 +106,23 @@ def test_help_documents_exit_statuses(command, statuses):
     assert "exit status:" in text
     for status in statuses:
         assert status in text
+
+
+def test_version_is_this_packages_not_the_unrelated_fastckpt_distributions(capsys, monkeypatch):
+    """`fastckpt --version` read the metadata of the distribution named `fastckpt` (an unrelated project): it printed
+    "unknown (not installed)" after `pip install fastckpt-rs`, or the other project's version beside it."""
+    import importlib.metadata
+
+    from fastckpt import __version__
+    from fastckpt.cli import main
+
+    def other(name: str) -> str:
+        if name == "fastckpt":
+            return "9.9.9"  # the unrelated project, installed
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", other)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fastckpt {__version__} (fastckpt-rs)"

@@ -16,7 +16,7 @@ import torch
 
 import fastckpt
 import fastckpt.dcp
-from fastckpt.errors import IntegrityError
+from fastckpt.errors import DtypeError, IntegrityError
 
 
 def _state(seed: int):
@@ -153,6 +153,28 @@ def test_a_flip_in_the_header_of_a_large_file_is_refused(saved, tmp_path):
         fastckpt.load_state(model, opt, input_dir=folder)
     assert _same(_snapshot(model, opt), before)
 
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_damaged_dtype_in_a_header_is_damage_not_a_cast_to_make(saved, tmp_path, verify):
+    """A header byte turning "F32" into "I32" (same size) read as a dtype mismatch whose message advised
+    cast=True; a verifying load owes the file's sums and reports the damage first (the dtype error its cause)."""
+    folder = shutil.copytree(saved[0], tmp_path / "ckpt")
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"dtype":"F32"')
+    data[at + 9 : at + 10] = b"I"
+    path.write_bytes(bytes(data))
+    model, opt = _state(5)
+    before = _snapshot(model, opt)
+    if verify:
+        with pytest.raises(IntegrityError, match="outside every tensor: the header or its padding") as info:
+            fastckpt.load_state(model, opt, input_dir=folder)
+        assert isinstance(info.value.__cause__, DtypeError)
+    else:
+        with pytest.raises(DtypeError, match="I32"):
+            fastckpt.load_state(model, opt, input_dir=folder, verify=False)
+    assert _same(_snapshot(model, opt), before)
 
 def _dcp_state(seed: int) -> dict:
     torch.manual_seed(seed)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -39,10 +38,11 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("fastckpt")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    """This package's version: ``fastckpt-rs``'s (``fastckpt._version``); ``fastckpt`` on the package index is an
+    unrelated project, whose version this used to print when it was installed (and "unknown" when it was not)."""
+    from fastckpt._version import DISTRIBUTION, __version__
+
+    return f"{__version__} ({DISTRIBUTION})"
 
 
 def build_parser() -> argparse.ArgumentParser:

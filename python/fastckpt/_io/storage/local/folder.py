@@ -38,7 +38,14 @@ from fastckpt._format.json_input import load_json
 from fastckpt._io.log import log_file
 from fastckpt._io.storage.local.in_place import LOCK_NAME
 from fastckpt._io.storage.local.layout import MANIFEST, SAVE_ID_KEY
-from fastckpt.errors import CheckpointChangedError, CheckpointError, IntegrityError, MissingStateError
+from fastckpt.errors import (
+    CheckpointChangedError,
+    CheckpointError,
+    DtypeError,
+    HeaderError,
+    IntegrityError,
+    MissingStateError,
+)
 
 __all__ = ["PinnedPath", "pinned", "open_safetensors", "opened_files", "verify_file", "read_checked_json", "read_fresh",
            "RETRIES"]
@@ -362,6 +369,13 @@ def pinned(folder: Path, *, verify: bool = True, threads: int = 0, defer: bool =
                 f"{folder}: another save replaced the checkpoint while it was being read ({exc}); nothing was "
                 "changed, retry the load"
             ) from exc
+        if isinstance(exc, (DtypeError, HeaderError)) and pin.pending:
+            # What a header says (a dtype, a shape, an offset) may be a damaged byte: the sums the block still owes
+            # come first, so a damaged file is reported as such, not as a mismatch a cast would "fix".
+            try:
+                _finish(pin)
+            except IntegrityError as damaged:
+                raise damaged from exc
         raise
     finally:
         with _pins_lock:
