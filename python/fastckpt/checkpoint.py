@@ -38,7 +38,7 @@ from fastckpt.checkpoint_impl import (
     save_to,
 )
 from fastckpt.checkpoint_sharded import load_sharded, load_sharded_state
-from fastckpt.errors import CheckpointChangedError
+from fastckpt.errors import CheckpointChangedError, OptionTypeError
 
 __all__ = ["save_state", "load_state", "latest_checkpoint", "verify_checkpoint", "LoadResult"]
 
@@ -368,7 +368,7 @@ def load_state(
         CheckpointError: another process failed (names it and its error); nothing changed here.
     """
     if model is None:
-        raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
+        raise OptionTypeError("model is None; pass the torch.nn.Module (or a list of them) to load into")
     _check_flags(model_only=model_only, strict=strict, trust_pickle=trust_pickle, verify=verify, cast=cast)
     _check_common(threads)
     _check_map_location(map_location)
@@ -438,7 +438,7 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, threads: int = 0, progr
         42
     """
     if folder is None:  # None would name the project's newest checkpoint: verify_checkpoint wants one checkpoint
-        raise TypeError("folder is None; pass the checkpoint folder (or its s3:// URL) to verify")
+        raise OptionTypeError("folder is None; pass the checkpoint folder (or its s3:// URL) to verify")
     storage = resolve(folder, storage_options=storage_options, what="folder")
     with storage.as_local() as view:  # an s3:// checkpoint: fetched and checked into memory; errors name the URL
         report = _verify_local(view.path, threads=threads, progress=progress)

@@ -56,7 +56,7 @@ def _as_list(obj: Any, kind: str) -> list:
     for i, item in enumerate(items):
         if not check(item):
             hint = " (pass folders as output_dir= / input_dir=)" if isinstance(item, (str, os.PathLike)) else ""
-            raise TypeError(f"{kind}[{i}] is a {type(item).__name__}, expected {what}{hint}")
+            raise OptionTypeError(f"{kind}[{i}] is a {type(item).__name__}, expected {what}{hint}")
     if kind == "model":  # DDP / DataParallel: the wrapped module, as accelerate's unwrap_model (no ``module.`` keys)
         items = [m.module if isinstance(m, _DATA_PARALLEL) else m for m in items]
     return items
@@ -71,13 +71,15 @@ def _check_flags(**flags: Any) -> None:
 
 
 def _check_common(threads: int) -> None:
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise OptionTypeError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
+    if threads < 0:
         raise OptionError(f"threads must be an int >= 0 (0 picks min(8, cores)), got {threads!r}")
 
 
 def _check_save_args(model: Any, threads: int, step: int, total_limit: int | None) -> None:
     if model is None:
-        raise TypeError("model is None; pass the torch.nn.Module (or a list of them) to save")
+        raise OptionTypeError("model is None; pass the torch.nn.Module (or a list of them) to save")
     _check_common(threads)
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
         raise OptionError(f"step must be an int in [0, 2**63), got {step!r}")

@@ -74,3 +74,28 @@ def test_fastckpt_save_and_load_refuse_flags_that_are_not_bools(tmp_path):
     with pytest.raises(OptionError, match="map_location"):
         fastckpt.load(tmp_path / "d", map_location="nowhere")
     assert fastckpt.load(tmp_path / "d") == {"step": 1}
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda p, m, o: fastckpt.save_state(None, output_dir=p), OptionTypeError, "model is None"),
+    (lambda p, m, o: fastckpt.save_state("x", output_dir=p), OptionTypeError, r"model\[0\] is a str"),
+    (lambda p, m, o: fastckpt.save_state(m, o, output_dir=p, threads="4"), OptionTypeError, "threads must be an int"),
+    (lambda p, m, o: fastckpt.save_state(m, o, output_dir=p, async_save="yes"), OptionError, "async_save must be"),
+    (lambda p, m, o: fastckpt.save_state(m, o, output_dir=p, dtype="bf16"), OptionError, "dtype must be"),
+    (lambda p, m, o: fastckpt.save_state(m, o, output_dir=""), OptionError, "empty path"),
+    (lambda p, m, o: fastckpt.load_state(None, input_dir=p), OptionTypeError, "model is None"),
+    (lambda p, m, o: fastckpt.load_state({"a": 1}, input_dir=p), OptionTypeError, r"model\[0\] is a dict"),
+    (lambda p, m, o: fastckpt.load_state(m, o, input_dir=p, threads=2.0), OptionTypeError, "threads must be an int"),
+], ids=["save None", "save str", "threads str", "async_save yes", "dtype str", "empty folder", "load None",
+        "load dict", "load threads float"])
+def test_wrong_objects_and_option_values_are_fastckpt_option_errors(tmp_path, call, error, match):
+    """A new user's pass: these were bare TypeError / ValueError (still caught as such: OptionTypeError is a
+    TypeError, OptionError a ValueError); a wrongly typed ``threads`` was an OptionError, which ``except TypeError``
+    missed."""
+    model, opt = _state()
+    fastckpt.save_state(model, opt, output_dir=tmp_path / "ck")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(error, match=match) as info:
+        call(tmp_path / "ck", model, opt)
+    assert type(info.value) is error
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -24,6 +24,7 @@ from fastckpt._state.rng import rng_payload
 from fastckpt._state.scheduler import scheduler_class_name
 from fastckpt._state.subclasses import refuse_subclasses
 from fastckpt._state.trainable import split_state
+from fastckpt.errors import OptionError
 
 __all__ = ["FilePart", "SavePlan", "build_save_plan"]
 
@@ -61,7 +62,7 @@ def export_dtype(dtype: Any, *, model_only: bool) -> str | None:
     if dtype is None:
         return None
     if dtype not in _EXPORT_DTYPES:
-        raise ValueError(f"dtype must be torch.bfloat16, torch.float16, torch.float32 or torch.float64, got {dtype!r}")
+        raise OptionError(f"dtype must be torch.bfloat16, torch.float16, torch.float32 or torch.float64, got {dtype!r}")
     if not model_only:
         raise ValueError(f"dtype={dtype} converts the weights for export and needs model_only=True: a full training "
                          "state saved in another dtype would not resume exactly")

@@ -34,6 +34,7 @@ from fastckpt._io.async_save.stream import submit_stream
 from fastckpt._io.async_save.writer import WriteTo, committed_path, submit
 from fastckpt._io.files import SavePlan
 from fastckpt._io.sizes import parse_budget
+from fastckpt.errors import OptionError
 
 __all__ = ["MODES", "SaveWriter", "SnapshotWriter", "StreamWriter", "SyncWriter", "check_mode", "start_async",
            "writer_for"]
@@ -45,7 +46,7 @@ MODES = (False, True, "stream", "snapshot")
 def check_mode(async_save: Any) -> None:
     """Raise ValueError unless ``async_save`` is one of :data:`MODES`."""
     if not any(async_save is m or (isinstance(m, str) and async_save == m) for m in MODES):
-        raise ValueError(f"async_save must be False, True, 'stream' or 'snapshot', got {async_save!r}")
+        raise OptionError(f"async_save must be False, True, 'stream' or 'snapshot', got {async_save!r}")
 
 
 class SaveWriter(Protocol):

@@ -46,7 +46,7 @@ from fastckpt._io.storage.local.layout import (
     manifest_dict,
 )
 from fastckpt._io.storage.local.staging import OwnedPath, clean_leftovers, remember_scanned
-from fastckpt.errors import DestinationNotWritableError
+from fastckpt.errors import DestinationNotWritableError, OptionError
 
 __all__ = ["Claim", "check_target", "claim_target", "write_checkpoint", "write_files", "write_text", "fsync_dir", "foreign_entries"]
 
@@ -187,7 +187,7 @@ def check_target(output_dir: str | os.PathLike[str], what: str = "output_dir") -
         NotADirectoryError: the path, or a folder above it, exists and is not a folder (nothing is touched).
     """
     if os.fspath(output_dir) == "":
-        raise ValueError(f"{what} is an empty path; name the checkpoint folder")
+        raise OptionError(f"{what} is an empty path; name the checkpoint folder")
     target = Path(os.path.abspath(output_dir))
     if target.is_symlink():
         target = Path(os.path.realpath(target))
