@@ -22,6 +22,7 @@ import fastckpt
 import fastckpt.torch as fastckpt_torch
 from benches._measure import Timing, drop_caches, fsync_tree, raw_read, raw_write, timed, warm_cache
 from benches._workloads import TrainingState, Workload, build_state, state_tensors
+from fastckpt.demo.peers import untied
 
 __all__ = ["Bench", "Contender", "contenders", "prepare_sources", "touch_pages"]
 
@@ -115,16 +116,6 @@ def _restore_target(b: Bench) -> None:
                 per_param[k] = v.clone()
 
 
-def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with each tied weight once (safetensors refuses shared tensors)."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in model.state_dict().items():
-        if v.data_ptr() not in seen:
-            seen.add(v.data_ptr())
-            out[k] = v
-    return out
-
 
 def _accelerator(b: Bench, which: str):
     key = f"accelerator-{which}"
@@ -163,7 +154,7 @@ def _save_contenders() -> list[Contender]:
         path = b.out("safetensors save_file")
         path.mkdir(parents=True, exist_ok=True)
         file = path / "model.safetensors"
-        sd = _untied(b.state.model)
+        sd = untied(b.state.model)
         return timed(lambda: save_file(sd, str(file)), lambda: fsync_tree(path))
 
     def torch_save(b: Bench) -> Timing:
@@ -302,7 +293,7 @@ def prepare_sources(b: Bench) -> None:
     if b.workload.peers:
         b.sources["safetensors"] = src / "safetensors"
         b.sources["safetensors"].mkdir()
-        save_file(_untied(b.state.model), str(src / "safetensors" / "model.safetensors"))
+        save_file(untied(b.state.model), str(src / "safetensors" / "model.safetensors"))
         b.sources["torch"] = src / "torch"
         b.sources["torch"].mkdir()
         obj = {"model": b.state.model.state_dict()}

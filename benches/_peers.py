@@ -27,21 +27,13 @@ import torch
 import fastckpt
 import fastckpt.torch as fastckpt_torch
 from benches._measure import Timing, timed
+from fastckpt.demo.peers import untied
 
 __all__ = ["peer_contenders", "check_model", "peer_table", "prepare_peer_sources"]
 
 FRESH = "fresh"  # into new tensors
 LIVE = "live"  # into the existing model
 
-
-def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    seen: set[int] = set()
-    out = {}
-    for k, v in model.state_dict().items():
-        if v.data_ptr() not in seen:
-            seen.add(v.data_ptr())
-            out[k] = v
-    return out
 
 
 def prepare_peer_sources(b) -> None:
@@ -60,7 +52,7 @@ def prepare_peer_sources(b) -> None:
 
 def check_model(b, tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Raise unless ``tensors`` (fresh) or the target model (None) equals the saved model, tensor by tensor."""
-    want = _untied(b.state.model)
+    want = untied(b.state.model)
     got = tensors if tensors is not None else b.target.model.state_dict()
     for name, w in want.items():
         g = got.get(name)
@@ -71,7 +63,7 @@ def check_model(b, tensors: dict[str, torch.Tensor] | None = None) -> None:
 def _zero_target(b) -> None:
     with torch.no_grad():
         for model in (b.target.model, b.extras.get("tensorizer-model")):
-            for p in _untied(model).values() if model is not None else ():
+            for p in untied(model).values() if model is not None else ():
                 p.zero_()
 
 

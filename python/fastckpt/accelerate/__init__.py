@@ -164,7 +164,8 @@ def save_state(
         TypeError: state that cannot be stored without pickle (fastckpt layout; names its path).
         KeyMismatchError, DtypeError, OSError: as :func:`fastckpt.save_state`; nothing is left behind.
         DestinationNotWritableError: as :func:`fastckpt.save_state`: a folder that takes no files fails the call in
-            every ``async_save`` mode (the main process; the others' handles raise CheckpointError naming it).
+            every ``async_save`` mode in a single process; with several processes every process's handle raises
+            it (CheckpointError naming it on the others), so that no process is left alone in a collective.
         CheckpointError: on the other processes when the main process failed (names its error); on the main
             process when it alone called save_state for an FSDP2 model (sharded or gathered state needs every
             process).

@@ -75,8 +75,11 @@ def save_async(build: Callable[[], Any], rotate: Callable[[], None], target: Pat
     try:
         finish_pending(wait=mode != "snapshot")
         plan = build()
-        # the folder is claimed at the call (claim_target): one that takes no files fails here, as a sync save does
-        return start_async(plan, optimizers, target, mode, write=write, budget=budget, claim=claim_target)
+        # the folder is claimed at the call (claim_target): one that takes no files fails here, as a sync save does.
+        # Not with several processes: the others have returned their handles and go on into collectives, so the
+        # main process raising alone here would leave them waiting; every process's handle raises it instead.
+        return start_async(plan, optimizers, target, mode, write=write, budget=budget,
+                           claim=None if is_distributed() else claim_target)
     except BaseException as exc:  # nothing was started: tell the other processes, whose handles wait
         broadcast_outcome(describe(exc), group)
         raise

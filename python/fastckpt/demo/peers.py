@@ -32,7 +32,7 @@ import torch
 from fastckpt.demo.files import dir_bytes, same_start
 from fastckpt.demo.table import DemoRow, _median, _ratio
 
-__all__ = ["FASTCKPT", "PEERS", "PEER_MODULES", "available_peers", "missing_line", "weights_loaders", "check_weights",
+__all__ = ["FASTCKPT", "PEERS", "PEER_MODULES", "available_peers", "missing_line", "untied", "weights_loaders", "check_weights",
            "weights_rows"]
 
 FASTCKPT = "fastckpt load_state model_only"
@@ -59,8 +59,9 @@ def missing_line(missing: list[str]) -> str:
     return f"not installed, so not measured: {', '.join(missing)} ({mods}); add them with {INSTALL}"
 
 
-def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state_dict with each storage once (the tied head dropped)."""
+def untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state_dict with each storage once, under its first name (the tied head dropped): what
+    safetensors' ``save_file`` takes (it refuses shared tensors); the benchmarks use it too."""
     seen: set[int] = set()
     out = {}
     for name, tensor in model.state_dict().items():
@@ -73,13 +74,13 @@ def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def check_weights(saved: torch.nn.Module, loaded: torch.nn.Module) -> list[str]:
     """Every weight of ``saved`` (tied ones once) that ``loaded`` does not hold bit for bit (empty: equal)."""
     got = loaded.state_dict()
-    return [f"{name}: the loaded tensor differs from the saved one" for name, want in _untied(saved).items()
+    return [f"{name}: the loaded tensor differs from the saved one" for name, want in untied(saved).items()
             if name not in got or not torch.equal(got[name], want)]
 
 
 def _zero(model: torch.nn.Module) -> None:
     with torch.no_grad():
-        for tensor in _untied(model).values():
+        for tensor in untied(model).values():
             tensor.zero_()
 
 
